@@ -1,0 +1,62 @@
+// The one TORCH_LIBRARY(spkernels): every schema lives here (SPEC.md §3). CPU kernels are the
+// reference math in python/spkernels/ops.py (gloo collectives need torch.distributed); CUDA
+// kernels are registered next to their launchers in csrc/ops/*.cu.
+#include <torch/library.h>
+
+#include "ops/build_info.h"
+
+#ifdef SPK_WITH_CUDA
+#include <nccl.h>
+#endif
+
+namespace spk {
+std::vector<int64_t> build_info() {
+#ifdef SPK_WITH_CUDA
+  return {NCCL_VERSION_CODE, 1};
+#else
+  return {0, 0};
+#endif
+}
+}  // namespace spk
+
+// EPS = the five trailing mixing scalars, always in this order (SPEC.md §3).
+#define SPK_EPS "float rms_eps, float hc_eps, float norm_eps, int sinkhorn_iters, float post_alpha"
+#define SPK_EPS_DEFAULTS \
+  "float rms_eps=1e-6, float hc_eps=1e-6, float norm_eps=1e-6, int sinkhorn_iters=20, float post_alpha=2.0"
+#define SPK_PRE_ARGS "Tensor fn, Tensor scale, Tensor base, Tensor? norm_weight, Tensor? pre_mix_in"
+#define SPK_POST_ARGS "Tensor stream, Tensor post_mix, Tensor res_mix"
+
+TORCH_LIBRARY(spkernels, m) {
+  // Local ops.
+  m.def("mhc_pre(Tensor stream, " SPK_PRE_ARGS ", " SPK_EPS_DEFAULTS
+        ") -> (Tensor layer_input, Tensor post_mix, Tensor res_mix, Tensor pre_mix)");
+  m.def("mhc_post(Tensor y, " SPK_POST_ARGS ") -> Tensor");
+  m.def("mhc_post_pre(Tensor y, " SPK_POST_ARGS ", " SPK_PRE_ARGS ", " SPK_EPS_DEFAULTS
+        ") -> (Tensor new_stream, Tensor layer_input, Tensor post_mix, Tensor res_mix, Tensor pre_mix)");
+  m.def("mhc_head(Tensor stream, Tensor fn, Tensor scale, Tensor base, float rms_eps=1e-6, "
+        "float hc_eps=1e-6) -> Tensor");
+  // SP mode: the stream is this rank's token shard; partial is [T, D] with T the padded total.
+  m.def("mhc_post_rs(Tensor partial, " SPK_POST_ARGS ", int comm) -> Tensor");
+  m.def("mhc_pre_ag(Tensor stream, " SPK_PRE_ARGS ", " SPK_EPS
+        ", int comm) -> (Tensor layer_input, Tensor post_mix, Tensor res_mix, Tensor pre_mix)");
+  m.def("mhc_post_pre_rs_ag(Tensor partial, " SPK_POST_ARGS ", " SPK_PRE_ARGS ", " SPK_EPS
+        ", int comm) -> (Tensor new_stream, Tensor layer_input, Tensor post_mix, Tensor res_mix, "
+        "Tensor pre_mix)");
+  m.def("sp_all_gather(Tensor x_local, int num_tokens, int comm) -> Tensor");
+  m.def("sp_shard(Tensor x, int comm) -> Tensor");
+  // TP mode: the stream is replicated on every rank.
+  m.def("mhc_post_ar(Tensor partial, " SPK_POST_ARGS ", int comm) -> Tensor");
+  m.def("mhc_post_pre_ar(Tensor partial, " SPK_POST_ARGS ", " SPK_PRE_ARGS ", " SPK_EPS
+        ", int comm) -> (Tensor new_stream, Tensor layer_input, Tensor post_mix, Tensor res_mix, "
+        "Tensor pre_mix)");
+
+  // Private: build facts and the CUDA communicator's lifetime (python/spkernels/comm.py).
+  m.def("_build_info() -> int[]", &spk::build_info);
+#ifdef SPK_WITH_CUDA
+  m.def("_nccl_unique_id() -> int[]", &spk::nccl_unique_id);
+  m.def("_comm_create(int handle, int[] unique_id, int rank, int world_size, int device, int max_tokens, "
+        "int hidden_size, int hc, bool fused) -> int", &spk::comm_create);
+  m.def("_comm_destroy(int handle) -> ()", &spk::comm_destroy);
+  m.def("_comm_partial_buffer(int handle, int num_tokens) -> Tensor", &spk::comm_partial_buffer);
+#endif
+}

@@ -1,0 +1,137 @@
+"""spkernels.Communicator: the opaque ``comm`` handle that every collective op takes (SPEC.md §6).
+
+Backends: ``lsa`` (fused kernels over NCCL symmetric memory, every peer NVLink/P2P reachable),
+``nccl`` (NCCL host collectives + local kernels: multi-node, no P2P, or SPK_FUSED=0), ``gloo``
+(CPU tensors, reference math). The handle indexes a process-wide registry; ops look it up, so a
+closed or unknown handle is an error naming it instead of a crash.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+
+import torch
+import torch.distributed as dist
+
+_registry: dict[int, Communicator] = {}
+_next_handle = itertools.count(1)
+_lock = threading.Lock()
+_BACKENDS = {0: "lsa", 1: "nccl"}
+
+
+def lookup(handle: int) -> Communicator:
+    comm = _registry.get(int(handle))
+    if comm is None:
+        raise ValueError(f"comm {handle} is not an open spkernels.Communicator (closed, or never created)")
+    return comm
+
+
+class Communicator:
+    """Collective over a torch.distributed group; owns the symmetric buffers sized for ``max_tokens``.
+
+    Construct it on every rank of ``group`` at the same point (it is collective), then pass
+    ``comm.handle`` to the ops. ``device`` defaults to CUDA for NCCL groups and CPU for gloo.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        max_tokens: int,
+        hidden_size: int,
+        hc: int = 4,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("spkernels.Communicator needs torch.distributed to be initialised first")
+        for name, v in (("max_tokens", max_tokens), ("hidden_size", hidden_size), ("hc", hc)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.tp_size = dist.get_world_size(self.group)
+        self.max_tokens, self.hidden_size, self.hc = max_tokens, hidden_size, hc
+        group_backend = str(dist.get_backend(self.group))
+        if device is None:
+            device = "cuda" if "nccl" in group_backend else "cpu"
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        with _lock:
+            self.handle = next(_next_handle)
+        self._closed = False
+        self._buffer: torch.Tensor | None = None
+        if device.type == "cpu":
+            self.backend = "gloo"
+            self._buffer = torch.empty((max_tokens, hidden_size), dtype=torch.bfloat16)
+        elif device.type == "cuda":
+            self.backend = self._create_cuda(group_backend)
+        else:
+            raise ValueError(f"device must be cpu or cuda, got {device}")
+        _registry[self.handle] = self
+
+    def _create_cuda(self, group_backend: str) -> str:
+        from ._library import HAS_CUDA_KERNELS
+
+        if not HAS_CUDA_KERNELS:
+            raise RuntimeError("this spkernels build has no CUDA kernels (torch was CPU-only at build time)")
+        if "nccl" not in group_backend:
+            raise ValueError(f"a CUDA Communicator needs a group with the nccl backend, got {group_backend}")
+        ops = torch.ops.spkernels
+        uid = [ops._nccl_unique_id() if self.rank == 0 else None]
+        # The unique id travels over the torch group, so the NCCL comm spans exactly its ranks.
+        dist.broadcast_object_list(uid, src=dist.get_global_rank(self.group, 0), group=self.group)
+        fused = os.environ.get("SPK_FUSED", "1") != "0"
+        code = ops._comm_create(
+            self.handle, uid[0], self.rank, self.tp_size, self.device.index,
+            self.max_tokens, self.hidden_size, self.hc, fused,
+        )  # fmt: skip
+        return _BACKENDS[int(code)]
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def partial_buffer(self, num_tokens: int) -> torch.Tensor:
+        """A [num_tokens, hidden_size] bf16 view of this rank's symmetric input buffer.
+
+        A sublayer that writes its partial output here lets the fused op read peers without a copy.
+        The view is overwritten by the next fused op's input staging: write, call the op, reuse.
+        """
+        self._check_open()
+        if not 0 < num_tokens <= self.max_tokens:
+            raise ValueError(f"num_tokens must be in [1, max_tokens = {self.max_tokens}], got {num_tokens}")
+        if self._buffer is not None:
+            return self._buffer[:num_tokens]
+        return torch.ops.spkernels._comm_partial_buffer(self.handle, num_tokens)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"spkernels.Communicator {self.handle} is closed")
+
+    def close(self) -> None:
+        """Collective: release buffers, windows and the NCCL communicator. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        _registry.pop(self.handle, None)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.ops.spkernels._comm_destroy(self.handle)
+        self._buffer = None
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (
+            f"Communicator(handle={self.handle}, backend={self.backend}, rank={self.rank}/{self.tp_size}, "
+            f"max_tokens={self.max_tokens}, hidden_size={self.hidden_size}, {state})"
+        )

@@ -1,0 +1,367 @@
+"""Fake (meta) and CPU implementations of ``torch.ops.spkernels.*`` (schemas: csrc/torch_bindings.cpp).
+
+CPU kernels are the reference math of reference.py with gloo collectives behind the
+communicator, so CI without a GPU exercises the whole op contract. Reductions follow SPEC.md §2:
+fp32 sum in rank order 0..tp-1, rounded to bf16, then the post — identical on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import reference as ref
+from .comm import lookup
+
+_lib = "spkernels"
+bf16, f32 = torch.bfloat16, torch.float32
+
+
+# ----------------------------------------------------------------------------- argument checks
+def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple, device=None) -> None:
+    """shape: expected sizes, None where any size goes."""
+    want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a {dtype} tensor {want}, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype} {want}, got {t.dtype}")
+    if t.dim() != len(shape) or any(e is not None and s != e for s, e in zip(t.shape, shape, strict=True)):
+        raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (shape {list(t.shape)}, strides {list(t.stride())})")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} like the stream, got {t.device}")
+
+
+def _check_stream(stream: torch.Tensor) -> tuple[int, int, int]:
+    if not isinstance(stream, torch.Tensor) or stream.dim() != 3:
+        got = list(stream.shape) if isinstance(stream, torch.Tensor) else type(stream).__name__
+        raise ValueError(f"stream must be bf16 [T, hc, D], got {got}")
+    _check_tensor("stream", stream, bf16, (None, None, None))
+    T, hc, D = stream.shape
+    if hc < 1 or D < 1:
+        raise ValueError(f"stream must be bf16 [T, hc, D] with hc, D >= 1, got {list(stream.shape)}")
+    return T, hc, D
+
+
+def _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, sinkhorn_iters) -> None:
+    T, hc, D = stream.shape
+    dev = stream.device
+    _check_tensor("fn", fn, f32, (ref.num_mix(hc), hc * D), dev)
+    _check_tensor("scale", scale, f32, (3,), dev)
+    _check_tensor("base", base, f32, (ref.num_mix(hc),), dev)
+    if norm_weight is not None:
+        _check_tensor("norm_weight", norm_weight, bf16, (D,), dev)
+    if pre_mix_in is not None:
+        _check_tensor("pre_mix_in", pre_mix_in, f32, (T, hc), dev)
+    if sinkhorn_iters < 1:
+        raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
+
+
+def _check_post_args(stream, post_mix, res_mix) -> None:
+    T, hc, _ = stream.shape
+    _check_tensor("post_mix", post_mix, f32, (T, hc), stream.device)
+    _check_tensor("res_mix", res_mix, f32, (T, hc, hc), stream.device)
+
+
+def _comm_for(comm: int, num_tokens: int, device: torch.device):
+    c = lookup(comm)
+    if device.type != c.device.type:
+        raise ValueError(
+            f"comm {comm} is a {c.backend} communicator for {c.device.type} tensors, "
+            f"got {device.type} tensors"
+        )
+    if num_tokens > c.max_tokens:
+        raise ValueError(
+            f"T = {num_tokens} tokens is above the communicator's capacity max_tokens = {c.max_tokens}"
+        )
+    return c
+
+
+def _check_sp_partial(partial, stream, c) -> int:
+    T_local, _, D = stream.shape
+    T = T_local * c.tp_size
+    _check_tensor("partial", partial, bf16, (None, D), stream.device)
+    if partial.shape[0] != T:
+        raise ValueError(
+            f"partial must be [T, D] with T = tp * T_local = {c.tp_size} * {T_local} = {T} "
+            f"(pad T to a multiple of tp), got {list(partial.shape)}"
+        )
+    return T
+
+
+# ----------------------------------------------------------------------------- gloo helpers
+def _all_gather_rows(x: torch.Tensor, c) -> list[torch.Tensor]:
+    """All-gather over the group as raw bytes (any dtype), returned in rank order."""
+    flat = x.contiguous().view(torch.uint8).reshape(-1)
+    outs = [torch.empty_like(flat) for _ in range(c.tp_size)]
+    dist.all_gather(outs, flat, group=c.group)
+    return [o.view(x.dtype).reshape(x.shape) for o in outs]
+
+
+def _reduce_rows(partial: torch.Tensor, c, rows: slice) -> torch.Tensor:
+    # Gather every rank's partial rows and sum in rank order: bitwise identical on every rank.
+    return ref.reduce_partials([p[rows] for p in _all_gather_rows(partial[rows], c)])
+
+
+def _my_rows(c, T: int) -> slice:
+    n = T // c.tp_size
+    return slice(c.rank * n, (c.rank + 1) * n)
+
+
+# ----------------------------------------------------------------------------- local ops
+def _pre_out_like(stream):
+    T, hc, D = stream.shape
+    return (
+        stream.new_empty((T, D)),
+        stream.new_empty((T, hc), dtype=f32),
+        stream.new_empty((T, hc, hc), dtype=f32),
+        stream.new_empty((T, hc), dtype=f32),
+    )
+
+
+@torch.library.register_fake(f"{_lib}::mhc_pre")
+def _(
+    stream,
+    fn,
+    scale,
+    base,
+    norm_weight=None,
+    pre_mix_in=None,
+    rms_eps=1e-6,
+    hc_eps=1e-6,
+    norm_eps=1e-6,
+    sinkhorn_iters=20,
+    post_alpha=2.0,
+):
+    return _pre_out_like(stream)
+
+
+@torch.library.register_kernel(f"{_lib}::mhc_pre", "cpu")
+def _(
+    stream,
+    fn,
+    scale,
+    base,
+    norm_weight=None,
+    pre_mix_in=None,
+    rms_eps=1e-6,
+    hc_eps=1e-6,
+    norm_eps=1e-6,
+    sinkhorn_iters=20,
+    post_alpha=2.0,
+):
+    _check_stream(stream)
+    _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, sinkhorn_iters)
+    eps = (rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha)
+    return ref.mhc_pre(stream, fn, scale, base, norm_weight, pre_mix_in, *eps)
+
+
+@torch.library.register_fake(f"{_lib}::mhc_post")
+def _(y, stream, post_mix, res_mix):
+    return torch.empty_like(stream)
+
+
+def _check_y(y, stream):
+    T, _, D = stream.shape
+    _check_tensor("y", y, bf16, (T, D), stream.device)
+
+
+@torch.library.register_kernel(f"{_lib}::mhc_post", "cpu")
+def _(y, stream, post_mix, res_mix):
+    _check_stream(stream)
+    _check_y(y, stream)
+    _check_post_args(stream, post_mix, res_mix)
+    return ref.mhc_post(y, stream, post_mix, res_mix)
+
+
+@torch.library.register_fake(f"{_lib}::mhc_post_pre")
+def _(y, stream, post_mix, res_mix, fn, scale, base, norm_weight=None, pre_mix_in=None, *eps):
+    return (torch.empty_like(stream), *_pre_out_like(stream))
+
+
+@torch.library.register_kernel(f"{_lib}::mhc_post_pre", "cpu")
+def _(
+    y,
+    stream,
+    post_mix,
+    res_mix,
+    fn,
+    scale,
+    base,
+    norm_weight=None,
+    pre_mix_in=None,
+    rms_eps=1e-6,
+    hc_eps=1e-6,
+    norm_eps=1e-6,
+    sinkhorn_iters=20,
+    post_alpha=2.0,
+):
+    eps = (rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha)
+    _check_stream(stream)
+    _check_y(y, stream)
+    _check_post_args(stream, post_mix, res_mix)
+    _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, eps[3])
+    return ref.mhc_post_pre(y, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_in, *eps)
+
+
+@torch.library.register_fake(f"{_lib}::mhc_head")
+def _(stream, fn, scale, base, rms_eps=1e-6, hc_eps=1e-6):
+    return stream.new_empty((stream.shape[0], stream.shape[2]))
+
+
+@torch.library.register_kernel(f"{_lib}::mhc_head", "cpu")
+def _(stream, fn, scale, base, rms_eps=1e-6, hc_eps=1e-6):
+    T, hc, D = _check_stream(stream)
+    _check_tensor("fn", fn, f32, (hc, hc * D), stream.device)
+    _check_tensor("scale", scale, f32, (1,), stream.device)
+    _check_tensor("base", base, f32, (hc,), stream.device)
+    return ref.mhc_head(stream, fn, scale, base, rms_eps, hc_eps)
+
+
+# ----------------------------------------------------------------------------- SP mode
+@torch.library.register_fake(f"{_lib}::mhc_post_rs")
+def _(partial, stream, post_mix, res_mix, comm):
+    return torch.empty_like(stream)
+
+
+@torch.library.register_kernel(f"{_lib}::mhc_post_rs", "cpu")
+def _(partial, stream, post_mix, res_mix, comm):
+    T_local, _, _ = _check_stream(stream)
+    c = _comm_for(comm, T_local * lookup(comm).tp_size, stream.device)
+    T = _check_sp_partial(partial, stream, c)
+    _check_post_args(stream, post_mix, res_mix)
+    y = _reduce_rows(partial, c, _my_rows(c, T))
+    return ref.mhc_post(y, stream, post_mix, res_mix)
+
+
+def _ag_pre_out(stream, comm):
+    li, post, res, pre = _pre_out_like(stream)
+    return stream.new_empty((stream.shape[0] * lookup(comm).tp_size, stream.shape[2])), post, res, pre
+
+
+@torch.library.register_fake(f"{_lib}::mhc_pre_ag")
+def _(stream, fn, scale, base, norm_weight, pre_mix_in, *eps_comm):
+    return _ag_pre_out(stream, eps_comm[-1])
+
+
+def _pre_ag_cpu(stream, fn, scale, base, norm_weight, pre_mix_in, eps, c):
+    _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, eps[3])
+    layer_input, post, res, pre = ref.mhc_pre(stream, fn, scale, base, norm_weight, pre_mix_in, *eps)
+    return torch.cat(_all_gather_rows(layer_input, c)), post, res, pre
+
+
+@torch.library.register_kernel(f"{_lib}::mhc_pre_ag", "cpu")
+def _(stream, fn, scale, base, norm_weight, pre_mix_in, *eps_comm):
+    *eps, comm = eps_comm
+    T_local, _, _ = _check_stream(stream)
+    c = _comm_for(comm, T_local * lookup(comm).tp_size, stream.device)
+    return _pre_ag_cpu(stream, fn, scale, base, norm_weight, pre_mix_in, eps, c)
+
+
+@torch.library.register_fake(f"{_lib}::mhc_post_pre_rs_ag")
+def _(partial, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_in, *eps_comm):
+    return (torch.empty_like(stream), *_ag_pre_out(stream, eps_comm[-1]))
+
+
+@torch.library.register_kernel(f"{_lib}::mhc_post_pre_rs_ag", "cpu")
+def _(partial, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_in, *eps_comm):
+    *eps, comm = eps_comm
+    T_local, _, _ = _check_stream(stream)
+    c = _comm_for(comm, T_local * lookup(comm).tp_size, stream.device)
+    T = _check_sp_partial(partial, stream, c)
+    _check_post_args(stream, post_mix, res_mix)
+    _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, eps[3])
+    y = _reduce_rows(partial, c, _my_rows(c, T))
+    new_stream = ref.mhc_post(y, stream, post_mix, res_mix)
+    return (new_stream, *_pre_ag_cpu(new_stream, fn, scale, base, norm_weight, pre_mix_in, eps, c))
+
+
+@torch.library.register_fake(f"{_lib}::sp_all_gather")
+def _(x_local, num_tokens, comm):
+    return x_local.new_empty((num_tokens, *x_local.shape[1:]))
+
+
+def _check_all_gather(x_local, num_tokens, c):
+    if not isinstance(x_local, torch.Tensor) or x_local.dim() < 1:
+        raise ValueError("x_local must be a tensor [T_local, ...]")
+    if not x_local.is_contiguous():
+        raise ValueError("x_local must be contiguous")
+    T = x_local.shape[0] * c.tp_size
+    if not 0 <= num_tokens <= T:
+        raise ValueError(f"num_tokens must be in [0, tp * T_local = {T}], got {num_tokens}")
+
+
+@torch.library.register_kernel(f"{_lib}::sp_all_gather", "cpu")
+def _(x_local, num_tokens, comm):
+    c = lookup(comm)
+    _check_all_gather(x_local, num_tokens, c)
+    _comm_for(comm, x_local.shape[0] * c.tp_size, x_local.device)
+    return torch.cat(_all_gather_rows(x_local, c))[:num_tokens]
+
+
+def sp_shard_rows(num_tokens: int, tp_size: int, rank: int) -> tuple[int, int]:
+    """Rows [start, end) of the zero-padded [ceil(T / tp) * tp, ...] tensor that ``rank`` owns."""
+    per_rank = -(-num_tokens // tp_size)
+    return rank * per_rank, (rank + 1) * per_rank
+
+
+@torch.library.register_fake(f"{_lib}::sp_shard")
+def _(x, comm):
+    c = lookup(comm)
+    return x.new_empty((-(-x.shape[0] // c.tp_size), *x.shape[1:]))
+
+
+def sp_shard_impl(x: torch.Tensor, comm: int) -> torch.Tensor:
+    """Device-generic: pad rows with zeros to a multiple of tp and copy out this rank's rows."""
+    c = lookup(comm)
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError("x must be a tensor [T, ...]")
+    if x.device.type != c.device.type:
+        raise ValueError(f"comm {comm} is a {c.backend} communicator, got {x.device.type} tensor x")
+    start, end = sp_shard_rows(x.shape[0], c.tp_size, c.rank)
+    out = x.new_zeros((end - start, *x.shape[1:]))
+    n = max(0, min(end, x.shape[0]) - start)
+    out[:n] = x[start : start + n]
+    return out
+
+
+# sp_shard is pure indexing: one device-generic implementation serves CPU and CUDA.
+torch.library.register_kernel(f"{_lib}::sp_shard", ("cpu", "cuda"))(sp_shard_impl)
+
+
+# ----------------------------------------------------------------------------- TP mode
+def _check_tp_partial(partial, stream):
+    T, _, D = stream.shape
+    _check_tensor("partial", partial, bf16, (T, D), stream.device)
+
+
+@torch.library.register_fake(f"{_lib}::mhc_post_ar")
+def _(partial, stream, post_mix, res_mix, comm):
+    return torch.empty_like(stream)
+
+
+@torch.library.register_kernel(f"{_lib}::mhc_post_ar", "cpu")
+def _(partial, stream, post_mix, res_mix, comm):
+    T, _, _ = _check_stream(stream)
+    c = _comm_for(comm, T, stream.device)
+    _check_tp_partial(partial, stream)
+    _check_post_args(stream, post_mix, res_mix)
+    return ref.mhc_post(_reduce_rows(partial, c, slice(0, T)), stream, post_mix, res_mix)
+
+
+@torch.library.register_fake(f"{_lib}::mhc_post_pre_ar")
+def _(partial, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_in, *eps_comm):
+    return (torch.empty_like(stream), *_pre_out_like(stream))
+
+
+@torch.library.register_kernel(f"{_lib}::mhc_post_pre_ar", "cpu")
+def _(partial, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_in, *eps_comm):
+    *eps, comm = eps_comm
+    T, _, _ = _check_stream(stream)
+    c = _comm_for(comm, T, stream.device)
+    _check_tp_partial(partial, stream)
+    _check_post_args(stream, post_mix, res_mix)
+    _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, eps[3])
+    y = _reduce_rows(partial, c, slice(0, T))
+    return ref.mhc_post_pre(y, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_in, *eps)
