@@ -100,8 +100,9 @@ def _all_gather_rows(x: torch.Tensor, c) -> list[torch.Tensor]:
 
 
 def _reduce_rows(partial: torch.Tensor, c, rows: slice) -> torch.Tensor:
-    # Gather every rank's partial rows and sum in rank order: bitwise identical on every rank.
-    return ref.reduce_partials([p[rows] for p in _all_gather_rows(partial[rows], c)])
+    # Gather every rank's whole partial, then sum ``rows`` in rank order: bitwise identical on every
+    # rank. (Each rank must contribute the *receiver's* rows, so it cannot send only its own.)
+    return ref.reduce_partials([p[rows] for p in _all_gather_rows(partial, c)])
 
 
 def _my_rows(c, T: int) -> slice:
