@@ -1,0 +1,140 @@
+"""python -m spkernels.runner: greedy generation with TP, SP dispatch and full decode graphs.
+
+python -m spkernels.runner --device cpu --tp 2 --sp-threshold 8 --prompts 4 --gen 8 --check
+torchrun --nproc-per-node 2 -m spkernels.runner --device cuda --tp 2 --preset v4-flash-like
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import PRESETS
+from .launch import RunOptions, launch
+
+
+def _threshold(text: str):
+    if text in ("none", "auto"):
+        return None if text == "none" else "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, 'auto' or 'none', got {text!r}") from None
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def parse_args(argv=None) -> RunOptions:
+    p = argparse.ArgumentParser(prog="python -m spkernels.runner", description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (processes)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (only 1 for now)")
+    p.add_argument("--arch", choices=("v4", "v4.1"), default="v4")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument(
+        "--sp-threshold",
+        type=_threshold,
+        default="auto",
+        metavar="N|auto|none",
+        help="SP engages on forwards of at least N padded tokens (auto: measured crossover)",
+    )
+    p.add_argument("--prompts", type=int, default=4, help="number of synthetic prompts")
+    p.add_argument("--prompt-len", type=int, default=None, help="longest synthetic prompt")
+    p.add_argument(
+        "--prompt-lens",
+        type=_int_list,
+        default=None,
+        metavar="N,N,...",
+        help="explicit prompt lengths (instead of --prompts/--prompt-len)",
+    )
+    p.add_argument("--gen", type=int, default=16, help="tokens to generate per request")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=0, help="untimed generations before the measured one")
+    p.add_argument(
+        "--max-tokens-per-step",
+        type=int,
+        default=8192,
+        help="token budget of a step (longer prompts are prefilled in chunks)",
+    )
+    p.add_argument(
+        "--capture-sizes",
+        type=_int_list,
+        default=None,
+        metavar="N,N,...",
+        help="decode batch sizes to capture (default 1,2,4,...,64 on cuda)",
+    )
+    p.add_argument(
+        "--no-graphs", dest="graphs", action="store_false", default=None, help="run decode steps eagerly"
+    )
+    p.add_argument(
+        "--comm-max-tokens",
+        type=int,
+        default=None,
+        help="communicator capacity (default: what the schedule needs)",
+    )
+    p.add_argument("--check", action="store_true", help="compare tokens and logits with a one-process run")
+    p.add_argument(
+        "--check-atol",
+        type=float,
+        default=None,
+        help="logit tolerance of --check (default: 2^-7 of the largest reference logit)",
+    )
+    p.add_argument(
+        "--check-graphs",
+        action="store_true",
+        help="also run each replayed step eagerly and report the largest logit difference",
+    )
+    p.add_argument("--load-weights", default=None, metavar="PATH")
+    p.add_argument("--save-weights", default=None, metavar="PATH")
+    p.add_argument("--quiet", action="store_true", help="no per-step lines or progress")
+    fields = vars(p.parse_args(argv))
+    return RunOptions(verbose=not fields.pop("quiet"), **fields)  # every other flag is a RunOptions field
+
+
+def report(results: dict) -> bool:
+    stats = results["stats"]
+    print(f"steps: {stats['steps']} ({stats['sp_steps']} SP, {stats['graph_steps']} graph replays)")
+    print(f"prefill: {stats['prefill_tokens']} tokens, {stats['prefill_tokens_per_s']:.1f} tokens/s")
+    print(
+        f"decode: {stats['decode_ms_per_step']:.3f} ms/token ({stats['decode_steps']} steps, "
+        f"one token per request per step)"
+    )
+    if stats["graph_steps"] and stats.get("graph_max_diff") is not None:
+        print(f"graph vs eager: max logit diff {stats['graph_max_diff']:.3g}")
+    for rank, peak in enumerate(results["peak_memory"]):
+        print(f"rank {rank}: peak memory {peak / 2**20:.1f} MiB")
+    print(f"peak stream per rank: {stats['peak_stream_bytes'] / 2**20:.2f} MiB")
+    for i, tokens in enumerate(results["tokens"]):
+        print(f"tokens {i}: {' '.join(map(str, tokens))}")
+    check = results.get("check")
+    if check is None:
+        return True
+    verdict = "PASS" if check["ok"] else "FAIL"
+    print(
+        f"check vs one process: {verdict}: max logit diff {check['max_logit_diff']:.4g} "
+        f"(atol {check['atol']:.3g}), token mismatches in requests {check['token_mismatches']}, "
+        f"min reference top-2 margin {check['min_ref_margin']:.3g}"
+        f"{'' if check['fair'] else ' (below 2 * atol: token equality is not guaranteed)'}"
+    )
+    return check["ok"]
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    try:
+        results = launch(opts)
+    except (ValueError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not results:  # a non-zero torchrun rank: rank 0 reports
+        return 0
+    return 0 if report(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

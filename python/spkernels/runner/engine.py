@@ -1,0 +1,229 @@
+"""Scheduling, padding and CUDA graphs around a Model: tokens in, greedy tokens out.
+
+Each step schedules decode tokens first, then prefill chunks up to ``max_tokens_per_step``. The
+SPPolicy pads the step (a pure-decode batch to a capture size, an SP forward to a multiple of tp)
+and decides SP vs TP from the padded count alone. Pure-decode steps whose padded count was captured
+replay a CUDA graph (FULL_DECODE_ONLY); everything else runs eagerly. The schedule depends only on
+lengths, never on token values, so every rank runs the same steps in lock-step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..policy import SPPolicy
+from .model import Batch, Model
+
+
+@dataclass
+class Request:
+    index: int
+    prompt: list[int]
+    max_new_tokens: int
+    generated: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def done(self) -> bool:
+        return len(self.generated) >= self.max_new_tokens
+
+    @property
+    def decoding(self) -> bool:
+        return self.num_computed >= len(self.prompt)
+
+
+@dataclass
+class StepInfo:
+    num_tokens: int
+    padded: int
+    use_sp: bool
+    graph: bool
+    prefill_tokens: int
+    seconds: float
+
+
+def schedule(requests: list[Request], budget: int) -> list[tuple[Request, int]]:
+    """[(request, token count)]: one token per decoding request, then prompt chunks, within budget."""
+    entries = []
+    for req in requests:
+        if not req.done and req.decoding and budget > 0:
+            entries.append((req, 1))
+            budget -= 1
+    for req in requests:
+        if not req.decoding and budget > 0:
+            count = min(len(req.prompt) - req.num_computed, budget)
+            entries.append((req, count))
+            budget -= count
+    return entries
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Model,
+        policy: SPPolicy,
+        max_tokens_per_step: int,
+        record_logits=False,
+        check_graphs=False,
+        log=None,
+    ):
+        if policy.tp_size != model.tp_size:
+            raise ValueError(f"policy.tp_size = {policy.tp_size} but the model runs on tp = {model.tp_size}")
+        if not isinstance(max_tokens_per_step, int) or max_tokens_per_step < 1:
+            raise ValueError(f"max_tokens_per_step must be a positive int, got {max_tokens_per_step!r}")
+        self.model, self.policy, self.max_tokens_per_step = model, policy, max_tokens_per_step
+        self.device = model.device
+        self.record_logits, self.check_graphs, self.log = record_logits, check_graphs, log
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Batch, torch.Tensor]] = {}
+        self.graph_max_diff = 0.0
+        self.steps: list[StepInfo] = []
+
+    # ------------------------------------------------------------------ batches
+    def _tensor(self, values):
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def _pad_batch(self, padded: int) -> Batch:
+        """A pure-pad decode batch: the static inputs of a graph before the first replay."""
+        m = self.model
+        full = lambda v: torch.full((padded,), v, dtype=torch.int64, device=self.device)  # noqa: E731
+        return Batch(full(m.pad_id), full(0), full(m.trash_row), full(1), padded, None, None)
+
+    def build_batch(self, entries, padded: int, decode: bool) -> tuple[Batch, list[tuple[Request, int]]]:
+        """The step's Batch and [(request, batch row)] of the rows to sample."""
+        m = self.model
+        ids, positions, rows, seq_lens, segments, samples = [], [], [], [], [], []
+        for req, count in entries:
+            start, first = req.num_computed, len(ids)
+            ids += req.tokens[start : start + count]
+            positions += range(start, start + count)
+            rows += [req.index] * count
+            seq_lens += range(start + 1, start + count + 1)
+            segments.append((req.index, first, start, count))
+            if start + count == len(req.tokens):
+                samples.append((req, len(ids) - 1))
+        num_tokens, pad = len(ids), padded - len(ids)
+        batch = Batch(
+            input_ids=self._tensor(ids + [m.pad_id] * pad),
+            positions=self._tensor(positions + [0] * pad),
+            rows=self._tensor(rows + [m.trash_row] * pad),
+            seq_lens=self._tensor(seq_lens + [1] * pad),
+            num_tokens=num_tokens,
+            segments=None if decode else segments,
+            sample_idx=None if decode else self._tensor([row for _, row in samples]),
+        )
+        return batch, samples
+
+    # ------------------------------------------------------------------ graphs
+    def capture(self, max_batch: int) -> None:
+        """Capture one FULL_DECODE_ONLY graph per capture size a decode batch of at most ``max_batch``
+        requests can land on; largest first so the smaller ones reuse its memory pool."""
+        if self.device.type != "cuda":
+            raise ValueError("CUDA graphs need --device cuda")
+        largest = self.policy.graph_size(max_batch, True) or self.policy.max_capture_size
+        sizes = [s for s in self.policy.capture_sizes if s <= largest]
+        pool = None
+        for padded in sorted(sizes, reverse=True):
+            use_sp = self.policy.use_sp(padded)
+            static = self._pad_batch(padded)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside capture: lazy inits, workspaces
+                for _ in range(2):
+                    self.model.forward(static, use_sp)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.model.forward(static, use_sp)
+            pool = graph.pool()
+            self.graphs[padded] = (graph, static, logits)
+            if self.log:
+                self.log(f"captured decode graph T={padded} ({'SP' if use_sp else 'TP'})")
+        torch.cuda.synchronize()
+
+    def _replay(self, batch: Batch) -> torch.Tensor:
+        graph, static, logits = self.graphs[batch.input_ids.shape[0]]
+        for name in ("input_ids", "positions", "rows", "seq_lens"):
+            getattr(static, name).copy_(getattr(batch, name))
+        graph.replay()
+        return logits
+
+    # ------------------------------------------------------------------ stepping
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def step(self, requests: list[Request]) -> StepInfo:
+        entries = schedule(requests, self.max_tokens_per_step)
+        num_tokens = sum(count for _, count in entries)
+        decode = all(req.decoding for req, _ in entries)
+        padded = self.policy.pad(num_tokens, decode)
+        use_sp = self.policy.use_sp(padded)
+        graph = decode and padded in self.graphs
+        self._sync()
+        begin = time.perf_counter()
+        batch, samples = self.build_batch(entries, padded, decode)
+        if graph and self.check_graphs:  # eager first: the replay then leaves its own K/V in the cache
+            eager = self.model.forward(batch, use_sp)[:num_tokens]
+            replayed = self._replay(batch)[:num_tokens]
+            self.graph_max_diff = max(self.graph_max_diff, (replayed - eager).abs().max().item())
+        logits = self._replay(batch) if graph else self.model.forward(batch, use_sp)
+        next_ids = logits.argmax(dim=-1).tolist()
+        self._sync()
+        seconds = time.perf_counter() - begin
+        prefill = sum(count for req, count in entries if not req.decoding)
+        for req, count in entries:
+            req.num_computed += count
+        for j, (req, _) in enumerate(samples):
+            req.generated.append(next_ids[j])
+            if self.record_logits:
+                req.logits.append(logits[j].float().cpu())
+        info = StepInfo(num_tokens, padded, use_sp, graph, prefill, seconds)
+        self.steps.append(info)
+        return info
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, progress=None) -> list[Request]:
+        if len(prompts) > self.model.trash_row:
+            raise ValueError(f"{len(prompts)} requests but the KV cache holds {self.model.trash_row}")
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        if longest > self.model.max_seq_len:
+            raise ValueError(
+                f"a request needs {longest} positions but the KV cache holds "
+                f"max_seq_len = {self.model.max_seq_len}"
+            )
+        requests = [Request(i, list(p), max_new_tokens) for i, p in enumerate(prompts)]
+        while not all(req.done for req in requests):
+            info = self.step(requests)
+            if self.log:
+                kind = "graph" if info.graph else "eager"
+                mode = "SP" if info.use_sp else "TP"
+                self.log(
+                    f"step {len(self.steps)}: {info.num_tokens} tokens (prefill {info.prefill_tokens}) "
+                    f"-> T={info.padded} {mode} {kind} {info.seconds * 1e3:.2f} ms"
+                )
+            if progress:
+                progress(sum(len(r.generated) for r in requests))
+        return requests
+
+    def stats(self) -> dict:
+        prefill = [s for s in self.steps if s.prefill_tokens]
+        decode = [s for s in self.steps if not s.prefill_tokens]
+        prefill_s = sum(s.seconds for s in prefill)
+        return {
+            "steps": len(self.steps),
+            "sp_steps": sum(s.use_sp for s in self.steps),
+            "graph_steps": sum(s.graph for s in self.steps),
+            "prefill_tokens": sum(s.prefill_tokens for s in prefill),
+            "prefill_tokens_per_s": sum(s.prefill_tokens for s in prefill) / prefill_s if prefill_s else 0.0,
+            "decode_steps": len(decode),
+            "decode_ms_per_step": 1e3 * sum(s.seconds for s in decode) / len(decode) if decode else 0.0,
+            "graph_max_diff": self.graph_max_diff,
+            "peak_stream_bytes": self.model.peak_stream_bytes,
+        }

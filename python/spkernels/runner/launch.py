@@ -1,0 +1,344 @@
+"""Running the model on a TP group: plain (spawns one process per rank), under torchrun, or in one
+process for tp = 1; the ``--check`` comparison against a one-process run; the printed report."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import socket
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..policy import SPPolicy
+from .config import ModelConfig, preset
+from .engine import Engine
+from .model import Model
+from .weights import load_weights, random_weights, save_weights
+
+DEFAULT_CUDA_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_PROMPT_LEN = {"tiny": 32, "v4-flash-like": 512}
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    preset: str = "tiny"
+    device: str = "cpu"
+    tp: int = 1
+    pp: int = 1
+    arch: str = "v4"
+    sp_threshold: int | str | None = "auto"
+    prompts: int = 4
+    prompt_len: int | None = None  # longest synthetic prompt; the others are shorter, varied
+    prompt_lens: tuple[int, ...] | None = None  # explicit lengths instead (overrides prompts, prompt_len)
+    gen: int = 16
+    seed: int = 0
+    warmup: int = 0  # untimed generations before the measured one
+    max_tokens_per_step: int = 8192
+    capture_sizes: tuple[int, ...] | None = None  # None: DEFAULT_CUDA_CAPTURE_SIZES on cuda, none on cpu
+    graphs: bool | None = None  # None: on for cuda
+    comm_max_tokens: int | None = None  # None: exactly what the schedule can need
+    check: bool = False
+    check_atol: float | None = None  # None: CHECK_RTOL * max |reference logit| (see compare)
+    check_graphs: bool = False
+    record_logits: bool = False
+    load_weights: str | None = None
+    save_weights: str | None = None
+    verbose: bool = True
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: ModelConfig
+    prompts: list[list[int]]
+    policy: SPPolicy
+    graphs: bool
+    kv_len: int
+    comm_capacity: int
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def make_prompts(opts: RunOptions, vocab_size: int) -> list[list[int]]:
+    """Synthetic prompts from the seed (a CPU generator: the same prompts on every device)."""
+    gen = torch.Generator().manual_seed(opts.seed + 1)
+    if opts.prompt_lens is not None:
+        lengths = list(opts.prompt_lens)
+    else:
+        longest = opts.prompt_len or DEFAULT_PROMPT_LEN.get(opts.preset, 32)
+        lengths = torch.randint(1, longest + 1, (opts.prompts,), generator=gen).tolist()
+        lengths[0] = longest  # always one long request among the short ones
+    if not lengths or any(not isinstance(n, int) or n < 1 for n in lengths):
+        raise ValueError(f"prompt lengths must be positive ints, at least one prompt; got {lengths}")
+    return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+def plan(opts: RunOptions, config: ModelConfig | None = None) -> Plan:
+    """Every check that needs no process group, so impossible configs fail before anything starts."""
+    if opts.pp != 1:
+        raise ValueError(f"--pp {opts.pp}: pipeline stages are not implemented yet (issue 7); use --pp 1")
+    if opts.arch != "v4":
+        raise NotImplementedError(f"--arch {opts.arch}: only v4 is implemented; V4.1 lands with issue 7")
+    if not isinstance(opts.tp, int) or opts.tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {opts.tp}")
+    if opts.device not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda, got {opts.device!r}")
+    if opts.device == "cuda" and torch.cuda.device_count() < opts.tp:
+        raise ValueError(f"--tp {opts.tp} needs {opts.tp} GPUs, {torch.cuda.device_count()} visible")
+    if opts.tp == 1 and opts.sp_threshold not in (None, "auto"):
+        raise ValueError(
+            "--sp-threshold: SP shards tokens across a TP group and needs --tp > 1 "
+            "(use --sp-threshold none or auto with --tp 1)"
+        )
+    if not isinstance(opts.gen, int) or opts.gen < 1:
+        raise ValueError(f"--gen must be >= 1 (tokens to generate per request), got {opts.gen!r}")
+    graphs = opts.device == "cuda" if opts.graphs is None else opts.graphs
+    if graphs and opts.device != "cuda":
+        raise ValueError("CUDA graphs need --device cuda")
+    if config is None:
+        config = _load_config(opts)
+    config.validate(opts.tp)
+    if opts.arch != config.arch:
+        raise ValueError(f"--arch {opts.arch} but the weights are for {config.arch}")
+    prompts = make_prompts(opts, config.vocab_size)
+    needed = max(len(p) for p in prompts) + opts.gen
+    if needed > config.max_seq_len:
+        raise ValueError(
+            f"the longest request needs {needed} positions (prompt + --gen), above the model's "
+            f"max_seq_len = {config.max_seq_len}"
+        )
+    capture = (
+        opts.capture_sizes
+        if opts.capture_sizes is not None
+        else (DEFAULT_CUDA_CAPTURE_SIZES if graphs else ())
+    )
+    sp_threshold = None if opts.tp == 1 else opts.sp_threshold
+    policy = SPPolicy(opts.tp, sp_threshold, capture, hidden_size=config.hidden_size)
+    budget = opts.max_tokens_per_step
+    if not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"--max-tokens-per-step must be a positive int, got {budget!r}")
+    # The largest padded step: a full eager step, or the bucket of the largest decode batch.
+    capacity = max(policy.pad(budget, False), policy.pad(min(len(prompts), budget), True))
+    if opts.comm_max_tokens is not None:
+        if capacity > opts.comm_max_tokens:
+            raise ValueError(
+                f"a step can reach T = {capacity} padded tokens (--max-tokens-per-step {budget}, capture "
+                f"sizes {policy.capture_sizes}), above the communicator capacity --comm-max-tokens "
+                f"{opts.comm_max_tokens}"
+            )
+        capacity = opts.comm_max_tokens
+    kv_len = min(_round_up(needed, 16), config.max_seq_len)
+    return Plan(config, prompts, policy, graphs, kv_len, capacity)
+
+
+def _load_config(opts: RunOptions) -> ModelConfig:
+    if opts.load_weights:
+        return load_weights(opts.load_weights)[1]
+    return preset(opts.preset, arch=opts.arch)
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _generate(model, plan_: Plan, opts: RunOptions, policy: SPPolicy, graphs: bool, log, record: bool):
+    engine = Engine(
+        model,
+        policy,
+        opts.max_tokens_per_step,
+        record_logits=record,
+        check_graphs=opts.check_graphs and graphs,
+        log=log,
+    )
+    if graphs:
+        engine.capture(min(len(plan_.prompts), opts.max_tokens_per_step))
+    for _ in range(opts.warmup):  # untimed: first-call costs (cuBLAS heuristics, allocator) stay out
+        engine.generate(plan_.prompts, opts.gen)
+    engine.steps.clear()
+    progress = ProgressBar(len(plan_.prompts) * opts.gen) if log else None
+    requests = engine.generate(plan_.prompts, opts.gen, progress)
+    if progress:
+        progress.close()
+    return requests, engine.stats(), [dataclasses.astuple(s) for s in engine.steps]
+
+
+class ProgressBar:
+    """tqdm when installed, else a line every quarter of the way."""
+
+    def __init__(self, total: int):
+        self.total, self.last = total, 0
+        try:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="generate", unit="tok")
+        except ImportError:
+            self.bar = None
+
+    def __call__(self, done: int):
+        if self.bar is not None:
+            self.bar.update(done - self.last)
+        elif done * 4 // self.total > self.last * 4 // self.total:
+            print(f"generated {done}/{self.total} tokens", flush=True)
+        self.last = done
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+# Each logit is a dot product with a bf16 hidden state (relative rounding 2^-9), and every TP layout
+# rounds its partial sums to bf16 at different points (2^-9 each, a few per layer, correlated through
+# the stream): on the tiny preset tp = 2 and 4 differ from one process by ~2^-8.5 of the largest logit.
+# Twice that is expected noise, not a bug; a
+# wrong row, shard or mix moves logits by O(1) of their size instead.
+CHECK_RTOL = 2**-7
+
+
+def compare(results: dict, reference: dict, atol: float | None = None) -> dict:
+    """Tokens must match exactly and logits agree within atol. The comparison is fair where the
+    reference's top-2 logit margin exceeds 2 * atol: logits within atol then cannot swap the argmax."""
+    if atol is None:
+        atol = CHECK_RTOL * max(t.abs().max().item() for t in reference["logits"] if t.numel())
+    token_mismatches = [
+        i for i, (a, b) in enumerate(zip(results["tokens"], reference["tokens"], strict=True)) if a != b
+    ]
+    max_diff, min_margin = 0.0, float("inf")
+    for got, want in zip(results["logits"], reference["logits"], strict=True):
+        n = min(len(got), len(want))
+        if n:
+            max_diff = max(max_diff, (got[:n] - want[:n]).abs().max().item())
+            top2 = want[:n].topk(2, dim=-1).values
+            min_margin = min(min_margin, (top2[:, 0] - top2[:, 1]).min().item())
+    ok = not token_mismatches and max_diff <= atol
+    return {
+        "ok": ok,
+        "token_mismatches": token_mismatches,
+        "max_logit_diff": max_diff,
+        "min_ref_margin": min_margin,
+        "fair": min_margin > 2 * atol,
+        "atol": atol,
+    }
+
+
+def worker(rank: int, world_size: int, opts: RunOptions) -> dict | None:
+    """One rank's whole run (process group already initialised when world_size > 1; the signature of
+    tests/distributed.py's run_distributed); rank 0 returns the results, other ranks None."""
+    # Every launcher (spawn, torchrun, run_distributed) has set this rank's GPU already.
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda" else torch.device("cpu")
+    )
+    log = print if rank == 0 and opts.verbose else None
+    if opts.load_weights:
+        weights, config = load_weights(opts.load_weights)
+    else:
+        config = preset(opts.preset, arch=opts.arch)
+        weights = random_weights(config, opts.seed, device)
+    if opts.save_weights and rank == 0:
+        fmt = save_weights(opts.save_weights, weights, config)
+        if log:
+            log(f"saved weights to {opts.save_weights} ({fmt})")
+    plan_ = plan(opts, config)
+    comm = None
+    if world_size > 1:
+        from ..comm import Communicator
+
+        comm = Communicator(max_tokens=plan_.comm_capacity, hidden_size=config.hidden_size)
+    try:
+        model = Model(config, weights, device, comm, len(plan_.prompts), plan_.kv_len)
+        if log:
+            log(
+                f"{config.num_layers} layers, D={config.hidden_size}, tp={world_size}, {plan_.policy}, "
+                f"backend={comm.backend if comm else 'local'}, device={device}"
+            )
+        record = opts.check or opts.record_logits
+        requests, stats, steps = _generate(model, plan_, opts, plan_.policy, plan_.graphs, log, record)
+        del model
+        tokens = [r.generated for r in requests]
+        memory = [_peak_memory(device)]
+        if world_size > 1:
+            every = [None] * world_size
+            dist.all_gather_object(every, (tokens, memory[0]))
+            if any(t != tokens for t, _ in every):
+                raise RuntimeError("ranks generated different tokens: replicated outputs drifted")
+            memory = [m for _, m in every]
+        if rank != 0:
+            return None
+        results = {
+            "tokens": tokens,
+            "stats": stats,
+            "peak_memory": memory,
+            "steps": steps,
+            "logits": [torch.stack(r.logits) if r.logits else torch.empty(0) for r in requests],
+        }
+        if opts.check:
+            ref_model = Model(config, weights, device, None, len(plan_.prompts), plan_.kv_len)
+            ref_policy = SPPolicy(1, None, ())
+            ref_requests, _, _ = _generate(ref_model, plan_, opts, ref_policy, False, None, True)
+            reference = {
+                "tokens": [r.generated for r in ref_requests],
+                "logits": [torch.stack(r.logits) for r in ref_requests],
+            }
+            results["check"] = compare(results, reference, opts.check_atol)
+        return results
+    finally:
+        if comm is not None:
+            comm.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned(rank: int, opts: RunOptions, port: int, out_path: str):
+    backend = "nccl" if opts.device == "cuda" else "gloo"
+    if opts.device == "cuda":
+        torch.cuda.set_device(rank)
+    else:  # share the cores instead of oversubscribing them tp times
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.tp))
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=opts.tp)
+    try:
+        results = worker(rank, opts.tp, opts)
+        if rank == 0:
+            torch.save(results, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(opts: RunOptions) -> dict:
+    """Run on ``opts.tp`` ranks: under torchrun (this process is one rank; non-zero ranks return {}),
+    in this process for tp = 1, else by spawning tp processes. Returns rank 0's results."""
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    plan(opts)  # fail fast, before any process starts
+    if world:
+        if world != opts.tp * opts.pp:
+            raise ValueError(f"--tp {opts.tp} --pp {opts.pp} but torchrun started {world} processes")
+        rank = int(os.environ["RANK"])
+        if world == 1:
+            return worker(0, 1, opts)
+        if opts.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group("nccl" if opts.device == "cuda" else "gloo")
+        try:
+            return worker(rank, world, opts) or {}
+        finally:
+            dist.destroy_process_group()
+    if opts.tp == 1:
+        return worker(0, 1, opts)
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "results.pt")
+        mp.spawn(_spawned, args=(opts, _free_port(), out_path), nprocs=opts.tp, join=True)
+        return torch.load(out_path, weights_only=False)
+
+
+def options_replace(opts: RunOptions, **changes) -> RunOptions:
+    return dataclasses.replace(opts, **changes)
