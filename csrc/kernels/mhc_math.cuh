@@ -1,0 +1,118 @@
+#pragma once
+// Torch-free building blocks of the mHC kernels: bf16 vector helpers, the tensor-core product
+// and the per-token coefficient math of SPEC.md §1. Everything here is deterministic: fixed
+// summation orders only, so replicated ranks compute bitwise-identical results.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace spk {
+
+constexpr int kHC = 4;                    // stream count; kernels are specialised for 4
+constexpr int kMix = (2 + kHC) * kHC;     // 24 mixing values: pre | post | res (row-major i, j)
+constexpr int kTileTokens = 16;           // tokens per tile = the M of mma.m16n8k16
+constexpr int kThreads = 256;             // threads per CTA
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxCluster = 16;           // CTAs per cluster: one column slice of D each
+constexpr int kMaxHidden = 8192;          // D limit: the fn slice of a CTA must fit in shared memory
+
+struct MhcEps {
+  float rms_eps, hc_eps, norm_eps;
+  int sinkhorn_iters;
+  float post_alpha;
+};
+
+__device__ __forceinline__ void bf16x8_to_float(const uint4& v, float (&f)[8]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    float2 p = __bfloat1622float2(h[k]);
+    f[2 * k] = p.x;
+    f[2 * k + 1] = p.y;
+  }
+}
+
+__device__ __forceinline__ uint4 float_to_bf16x8(const float (&f)[8]) {
+  uint4 v;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) h[k] = __floats2bfloat162_rn(f[2 * k], f[2 * k + 1]);
+  return v;
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int k) {
+  return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
+}
+
+// fp32 -> (hi, lo) bf16 pairs with hi + lo = f to ~2^-16 relative: the "split-bf16" product
+// fn · x = hi · x + lo · x on bf16 tensor cores keeps fp32-grade accuracy (x is bf16, exact).
+__device__ __forceinline__ void split_bf16x2(float a, float b, uint32_t& hi, uint32_t& lo) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  float2 hf = __bfloat1622float2(h);
+  __nv_bfloat162 l = __floats2bfloat162_rn(a - hf.x, b - hf.y);
+  hi = *reinterpret_cast<uint32_t*>(&h);
+  lo = *reinterpret_cast<uint32_t*>(&l);
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                               uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Sum over the 4 lanes of a quad (lanes 4q..4q+3). The butterfly gives every lane the same
+// bits ((a+b)+(c+d) in every lane, by commutativity), which replicated ranks rely on.
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  v += __shfl_xor_sync(0xffffffffu, v, 2);
+  return v;
+}
+
+// Per-token coefficients, one quad of lanes per token, lane i of the quad owning row i of the
+// Sinkhorn matrix. m: the 24 raw products (fn · x) of the token; r: its RMS factor, applied after
+// the product as SPEC.md §1 says. Writes coef[0:4] = pre, coef[4:8] = post and
+// coef[8 + 4i + j] = res[i][j] (source stream i -> destination stream j).
+__device__ __forceinline__ void mhc_coefficients_quad(const float* m, float r, const float* scale,
+                                                      const float* base, const MhcEps& eps, int i,
+                                                      float* coef) {
+  coef[i] = sigmoidf(m[i] * r * scale[0] + base[i]) + eps.hc_eps;
+  coef[kHC + i] = eps.post_alpha * sigmoidf(m[kHC + i] * r * scale[1] + base[kHC + i]);
+  float c[kHC];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < kHC; ++j) {
+    const int k = 2 * kHC + i * kHC + j;
+    c[j] = m[k] * r * scale[2] + base[k];
+    mx = fmaxf(mx, c[j]);
+  }
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < kHC; ++j) {
+    c[j] = expf(c[j] - mx);
+    s += c[j];
+  }
+#pragma unroll
+  for (int j = 0; j < kHC; ++j) c[j] = c[j] / s + eps.hc_eps;
+  // One column normalisation, then (iters - 1) x (rows, then columns).
+  for (int it = 0; it < eps.sinkhorn_iters; ++it) {
+    if (it > 0) {
+      float rs = 0.f;
+#pragma unroll
+      for (int j = 0; j < kHC; ++j) rs += c[j];
+#pragma unroll
+      for (int j = 0; j < kHC; ++j) c[j] = c[j] / (rs + eps.hc_eps);
+    }
+#pragma unroll
+    for (int j = 0; j < kHC; ++j) c[j] = c[j] / (quad_sum(c[j]) + eps.hc_eps);
+  }
+#pragma unroll
+  for (int j = 0; j < kHC; ++j) coef[2 * kHC + i * kHC + j] = c[j];
+}
+
+}  // namespace spk

@@ -1,0 +1,411 @@
+#pragma once
+// The one mHC tile kernel behind every op, local or fused with a collective (torch-free).
+//
+// Work split: a cluster of `cs` CTAs owns a tile of 16 tokens; CTA c of the cluster owns a
+// column slice of D (the same slice of all 4 streams). Per tile:
+//   A. load the stream slice (and for a post: y, or the sum of every peer's partial rows in
+//      rank order 0..tp-1 over NVLink), mix it, store the new stream; the new stream stays in
+//      registers, laid out as mma A fragments.
+//   B. m = fn · x on bf16 tensor cores, fn split into bf16 hi + lo (fp32-grade accuracy); each
+//      warp sums its k-range, the CTA sums its warps, the cluster sums its CTAs through
+//      distributed shared memory, all in a fixed order (replicated ranks stay bitwise equal).
+//   C. per-token coefficients (sigmoids, 20-step Sinkhorn), one quad of lanes per token.
+//   D. collapse (+ fused RMSNorm: a second cluster reduction) and store layer_input, pushing
+//      it into every peer's gather buffer in SP mode.
+// A CTA only ever talks over NVLink to the CTA with the same index on each peer (the grid and
+// the tile -> CTA map are functions of the shapes only), so per-CTA LSA barriers suffice.
+#include <cooperative_groups.h>
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include "kernels/mhc_math.cuh"
+
+namespace spk {
+
+namespace cg = cooperative_groups;
+
+enum class YSrc : int { kNone, kLocal, kPeers };
+
+struct LsaArgs {
+  ncclDevComm dev_comm;
+  ncclWindow_t window;
+  size_t partial_offset;  // bytes: this rank's [max_tokens, D] partial region of the window
+  size_t gather_offset;   // bytes: this rank's [max_tokens, D] gather region of the window
+  int rank, world;
+  int partial_row0;  // first partial row this rank reduces (SP: rank * T_local; TP: 0)
+};
+
+struct TileArgs {
+  int num_tokens;  // rows this rank mixes: T_local in SP mode, T otherwise
+  int hidden;
+  const __nv_bfloat16* stream;  // [num_tokens, 4, D]
+  const __nv_bfloat16* y;       // [num_tokens, D] (YSrc::kLocal)
+  const float* post_mix_in;     // [num_tokens, 4]
+  const float* res_mix_in;      // [num_tokens, 4, 4]
+  const float* fn;              // [24, 4D] ([4, 4D] for the head)
+  const float* scale;
+  const float* base;
+  const __nv_bfloat16* norm_weight;  // [D] or null
+  const float* pre_mix_in;           // [num_tokens, 4] or null
+  MhcEps eps;
+  __nv_bfloat16* new_stream;   // [num_tokens, 4, D]
+  __nv_bfloat16* layer_input;  // [tp * num_tokens, D] in gather mode (rank-major), else [num_tokens, D]
+  float* post_mix;             // [num_tokens, 4]
+  float* res_mix;              // [num_tokens, 4, 4]
+  float* pre_mix;              // [num_tokens, 4]
+  int stage_fn;                // 1: keep the CTA's fn slice in shared memory across its tiles
+  LsaArgs lsa;
+};
+
+// fn rows padded to whole mma n-tiles: 24 for pre, 4 -> 8 for the head.
+template <bool kHead>
+struct FnRows {
+  static constexpr int kRows = kHead ? 8 : kMix;
+  static constexpr int kValid = kHead ? kHC : kMix;
+};
+
+__host__ __device__ inline int tile_groups(int hidden, int cs) {
+  const int nvec = hidden / 8;
+  return ((nvec + cs - 1) / cs + 3) / 4;  // groups of 4 16-byte vectors in the widest slice
+}
+
+template <bool kHead>
+__host__ __device__ inline size_t tile_fn_smem_bytes(int hidden, int cs) {
+  return (size_t)kHC * tile_groups(hidden, cs) * 2 * FnRows<kHead>::kRows * 4 * sizeof(uint4);
+}
+
+// B fragment of mma.m16n8k16 for fn row n, stream i, vector (grp * 4 + t) of the CTA's slice,
+// k-step s: elements 4s..4s+3 of the vector, as bf16 hi and lo pairs. The k order inside a
+// 16-wide step is permuted (thread t owns 4 contiguous elements) identically for A and B, so
+// the product is unchanged and both operands load as plain vectors.
+template <bool kHead>
+__device__ __forceinline__ void load_fn_fragment(const TileArgs& a, const uint4* s_fn, bool staged, int gmax,
+                                                 int v0, int W, int i, int grp, int s, int n, int t, uint4& q) {
+  if (staged) {
+    q = s_fn[(((i * gmax + grp) * 2 + s) * FnRows<kHead>::kRows + n) * 4 + t];
+    return;
+  }
+  const int vec = grp * 4 + t;
+  float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (n < FnRows<kHead>::kValid && vec < W)
+    f = *reinterpret_cast<const float4*>(a.fn + (size_t)n * kHC * a.hidden + (size_t)i * a.hidden +
+                                         (size_t)(v0 + vec) * 8 + 4 * s);
+  split_bf16x2(f.x, f.y, q.x, q.z);
+  split_bf16x2(f.z, f.w, q.y, q.w);
+}
+
+template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kGather, int kGPW>
+__device__ __forceinline__ void mhc_tiles(const TileArgs& a) {
+  constexpr int kRows = FnRows<kHead>::kRows;
+  constexpr int kNT = kRows / 8;
+  extern __shared__ __align__(16) uint4 s_fn[];
+  __shared__ float s_red[kWarps][kTileTokens][kRows];  // per-warp partial products
+  __shared__ float s_redsq[kWarps][kTileTokens];       // per-warp partial sums of squares
+  __shared__ float s_cta[2][kTileTokens][kRows + 1];   // CTA partials, read by the whole cluster
+  __shared__ float s_ycta[2][kTileTokens];             // CTA partial sum of y^2 (fused norm)
+  __shared__ float s_m[kTileTokens][kRows + 1];        // cluster totals: m | sum x^2
+  __shared__ float s_coef[kTileTokens][kMix];          // pre | post | res, or the head weights
+  __shared__ float s_mixin[kTileTokens][kMix - kHC];   // incoming post | res of the tile
+  __shared__ float s_pmi[kTileTokens][kHC];            // pre_mix_in of the tile
+  __shared__ float s_rnorm[kTileTokens];
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int cs = (int)cluster.num_blocks(), crank = (int)cluster.block_rank();
+  const int cluster_id = blockIdx.x / cs, num_clusters = gridDim.x / cs;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int D = a.hidden, nvec = D >> 3, T = a.num_tokens;
+  const int v0 = crank * nvec / cs, W = (crank + 1) * nvec / cs - v0;
+  const int gmax = tile_groups(D, cs);
+  const int num_tiles = (T + kTileTokens - 1) / kTileTokens;
+  const size_t srow = (size_t)kHC * D;
+
+  if (kPre && a.stage_fn) {
+    const int entries = kHC * gmax * 2 * kRows * 4;
+    for (int e = tid; e < entries; e += kThreads) {
+      const int tt = e & 3, n = (e >> 2) % kRows, rest = (e >> 2) / kRows;
+      const int s = rest & 1, grp = (rest >> 1) % gmax, i = (rest >> 1) / gmax;
+      uint4 q;
+      load_fn_fragment<kHead>(a, nullptr, false, gmax, v0, W, i, grp, s, n, tt, q);
+      s_fn[e] = q;
+    }
+  }
+
+  for (int tile = cluster_id, it = 0; tile < num_tiles; tile += num_clusters, ++it) {
+    const int buf = it & 1, row_base = tile * kTileTokens;
+    __syncthreads();  // the previous tile's readers of s_coef / s_mixin / s_pmi are done
+    if constexpr (kPost) {
+      for (int idx = tid; idx < kTileTokens * (kMix - kHC); idx += kThreads) {
+        const int tok = idx / (kMix - kHC), c = idx % (kMix - kHC), row = row_base + tok;
+        float v = 0.f;
+        if (row < T) v = c < kHC ? a.post_mix_in[row * kHC + c] : a.res_mix_in[row * kHC * kHC + c - kHC];
+        s_mixin[tok][c] = v;
+      }
+    }
+    if constexpr (kPre) {
+      if (a.pre_mix_in != nullptr && tid < kTileTokens * kHC) {
+        const int row = row_base + tid / kHC;
+        s_pmi[tid / kHC][tid % kHC] = row < T ? a.pre_mix_in[row * kHC + tid % kHC] : 0.f;
+      }
+    }
+    __syncthreads();
+
+    // ---- A: load (and post-mix) the stream slice; x[gi][h][i] = token g + 8h, stream i.
+    uint4 x[kGPW][2][kHC];
+    float sq[2] = {0.f, 0.f};
+#pragma unroll
+    for (int gi = 0; gi < kGPW; ++gi) {
+      const int vec = (warp + gi * kWarps) * 4 + t;
+      const size_t col = (size_t)(v0 + vec) * 8;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int tok = g + 8 * h, row = row_base + tok;
+        const bool valid = vec < W && row < T;
+#pragma unroll
+        for (int i = 0; i < kHC; ++i)
+          x[gi][h][i] = valid ? *reinterpret_cast<const uint4*>(a.stream + row * srow + (size_t)i * D + col)
+                              : make_uint4(0, 0, 0, 0);
+        if constexpr (kPost) {
+          float yv[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+          if (valid) {
+            if constexpr (kSrc == YSrc::kPeers) {
+              // Sum every rank's partial row in rank order 0..tp-1 (the same order on every
+              // rank), round to bf16 like the reference reduction, then mix.
+              const size_t off = a.lsa.partial_offset + ((size_t)(a.lsa.partial_row0 + row) * D + col) * 2;
+              for (int p = 0; p < a.lsa.world; ++p) {
+                const uint4 v = *reinterpret_cast<const uint4*>(ncclGetLsaPointer(a.lsa.window, off, p));
+                float f[8];
+                bf16x8_to_float(v, f);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) yv[e] += f[e];
+              }
+              bf16x8_to_float(float_to_bf16x8(yv), yv);
+            } else {
+              bf16x8_to_float(*reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col), yv);
+            }
+          }
+          float xf[kHC][8];
+#pragma unroll
+          for (int i = 0; i < kHC; ++i) bf16x8_to_float(x[gi][h][i], xf[i]);
+          const float* mix = s_mixin[tok];  // post[j] | res[i][j] at kHC + i * kHC + j
+#pragma unroll
+          for (int j = 0; j < kHC; ++j) {
+            float nv[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+              float acc = 0.f;
+#pragma unroll
+              for (int i = 0; i < kHC; ++i) acc += mix[kHC + i * kHC + j] * xf[i][e];
+              nv[e] = mix[j] * yv[e] + acc;
+            }
+            x[gi][h][j] = float_to_bf16x8(nv);
+            if (valid) *reinterpret_cast<uint4*>(a.new_stream + row * srow + (size_t)j * D + col) = x[gi][h][j];
+          }
+        }
+        if constexpr (kPre) {
+#pragma unroll
+          for (int i = 0; i < kHC; ++i) {
+            float f[8];
+            bf16x8_to_float(x[gi][h][i], f);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) sq[h] += f[e] * f[e];
+          }
+        }
+      }
+    }
+    if constexpr (kPre) {
+
+      // ---- B: m = fn · x on tensor cores, reduced warp -> CTA -> cluster in fixed order.
+      float acc[kNT][4];
+  #pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+  #pragma unroll
+      for (int gi = 0; gi < kGPW; ++gi) {
+        const int grp = warp + gi * kWarps;
+        if (grp >= gmax) continue;  // warp-uniform
+  #pragma unroll
+        for (int i = 0; i < kHC; ++i) {
+  #pragma unroll
+          for (int s = 0; s < 2; ++s) {
+            const uint32_t a0 = word_of(x[gi][0][i], 2 * s), a1 = word_of(x[gi][1][i], 2 * s);
+            const uint32_t a2 = word_of(x[gi][0][i], 2 * s + 1), a3 = word_of(x[gi][1][i], 2 * s + 1);
+  #pragma unroll
+            for (int nt = 0; nt < kNT; ++nt) {
+              uint4 q;
+              load_fn_fragment<kHead>(a, s_fn, a.stage_fn, gmax, v0, W, i, grp, s, nt * 8 + g, t, q);
+              mma_bf16_16816(acc[nt], a0, a1, a2, a3, q.x, q.y);  // hi
+              mma_bf16_16816(acc[nt], a0, a1, a2, a3, q.z, q.w);  // lo
+            }
+          }
+        }
+      }
+  #pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        s_red[warp][g][nt * 8 + 2 * t] = acc[nt][0];
+        s_red[warp][g][nt * 8 + 2 * t + 1] = acc[nt][1];
+        s_red[warp][g + 8][nt * 8 + 2 * t] = acc[nt][2];
+        s_red[warp][g + 8][nt * 8 + 2 * t + 1] = acc[nt][3];
+      }
+  #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float q = quad_sum(sq[h]);
+        if (t == 0) s_redsq[warp][g + 8 * h] = q;
+      }
+      __syncthreads();
+      for (int idx = tid; idx < kTileTokens * (kRows + 1); idx += kThreads) {
+        const int tok = idx / (kRows + 1), n = idx % (kRows + 1);
+        float v = 0.f;
+  #pragma unroll
+        for (int w = 0; w < kWarps; ++w) v += n < kRows ? s_red[w][tok][n] : s_redsq[w][tok];
+        s_cta[buf][tok][n] = v;
+      }
+      cluster.sync();  // release this CTA's partials to the cluster, acquire the others'
+      for (int idx = tid; idx < kTileTokens * (kRows + 1); idx += kThreads) {
+        float v = 0.f;
+        for (int r = 0; r < cs; ++r) v += cluster.map_shared_rank(&s_cta[buf][0][0], r)[idx];
+        (&s_m[0][0])[idx] = v;
+      }
+      __syncthreads();
+
+      // ---- C: coefficients, a quad of lanes per token.
+      if (tid < kTileTokens * kHC) {
+        const int tok = tid >> 2, i = tid & 3, row = row_base + tok;
+        const float r = 1.0f / sqrtf(s_m[tok][kRows] / (float)(kHC * D) + a.eps.rms_eps);
+        if constexpr (kHead) {
+          s_coef[tok][i] = sigmoidf(s_m[tok][i] * r * a.scale[0] + a.base[i]) + a.eps.hc_eps;
+        } else {
+          mhc_coefficients_quad(s_m[tok], r, a.scale, a.base, a.eps, i, s_coef[tok]);
+          if (crank == 0 && row < T) {
+            a.pre_mix[row * kHC + i] = s_coef[tok][i];
+            a.post_mix[row * kHC + i] = s_coef[tok][kHC + i];
+  #pragma unroll
+            for (int j = 0; j < kHC; ++j)
+              a.res_mix[(row * kHC + i) * kHC + j] = s_coef[tok][2 * kHC + i * kHC + j];
+          }
+        }
+      }
+      __syncthreads();
+
+      // ---- D: collapse with pre (or the carried-in pre_mix_in), fused RMSNorm, store.
+      uint4 yb[kGPW][2];
+      float ysq[2] = {0.f, 0.f};
+  #pragma unroll
+      for (int gi = 0; gi < kGPW; ++gi) {
+  #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int tok = g + 8 * h;
+          const float* w = (!kHead && a.pre_mix_in != nullptr) ? s_pmi[tok] : s_coef[tok];
+          float y[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  #pragma unroll
+          for (int i = 0; i < kHC; ++i) {
+            float f[8];
+            bf16x8_to_float(x[gi][h][i], f);
+  #pragma unroll
+            for (int e = 0; e < 8; ++e) y[e] += w[i] * f[e];
+          }
+          yb[gi][h] = float_to_bf16x8(y);
+          if (!kHead && a.norm_weight != nullptr) {
+            bf16x8_to_float(yb[gi][h], y);
+  #pragma unroll
+            for (int e = 0; e < 8; ++e) ysq[h] += y[e] * y[e];
+          }
+        }
+      }
+      if (!kHead && a.norm_weight != nullptr) {
+  #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float q = quad_sum(ysq[h]);
+          if (t == 0) s_redsq[warp][g + 8 * h] = q;
+        }
+        __syncthreads();
+        if (tid < kTileTokens) {
+          float v = 0.f;
+  #pragma unroll
+          for (int w = 0; w < kWarps; ++w) v += s_redsq[w][tid];
+          s_ycta[buf][tid] = v;
+        }
+        cluster.sync();
+        if (tid < kTileTokens) {
+          float v = 0.f;
+          for (int r = 0; r < cs; ++r) v += cluster.map_shared_rank(&s_ycta[buf][0], r)[tid];
+          s_rnorm[tid] = 1.0f / sqrtf(v / (float)D + a.eps.norm_eps);
+        }
+        __syncthreads();
+      }
+  #pragma unroll
+      for (int gi = 0; gi < kGPW; ++gi) {
+        const int vec = (warp + gi * kWarps) * 4 + t;
+        const size_t col = (size_t)(v0 + vec) * 8;
+  #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int tok = g + 8 * h, row = row_base + tok;
+          if (vec >= W || row >= T) continue;
+          uint4 out = yb[gi][h];
+          if (!kHead && a.norm_weight != nullptr) {
+            float y[8], nw[8];
+            bf16x8_to_float(out, y);
+            bf16x8_to_float(*reinterpret_cast<const uint4*>(a.norm_weight + col), nw);
+  #pragma unroll
+            for (int e = 0; e < 8; ++e) y[e] = y[e] * s_rnorm[tok] * nw[e];
+            out = float_to_bf16x8(y);
+          }
+          if constexpr (kGather) {
+            // My rows go to rows [rank * T_local, ...) of the full output and of every peer's
+            // gather buffer (remote stores; released by the barrier that follows the tiles).
+            const size_t grow = (size_t)a.lsa.rank * T + row;
+            *reinterpret_cast<uint4*>(a.layer_input + grow * D + col) = out;
+            for (int p = 0; p < a.lsa.world; ++p) {
+              if (p == a.lsa.rank) continue;
+              *reinterpret_cast<uint4*>(
+                  ncclGetLsaPointer(a.lsa.window, a.lsa.gather_offset + (grow * D + col) * 2, p)) = out;
+            }
+          } else {
+            *reinterpret_cast<uint4*>(a.layer_input + (size_t)row * D + col) = out;
+          }
+        }
+      }
+    }
+  }
+  // Peers of the cluster may still read this CTA's shared memory: keep it alive until they are done.
+  if constexpr (kPre) cluster.sync();
+}
+
+// After the barrier that follows mhc_tiles: copy the rows that every peer pushed into this
+// rank's gather buffer (the same tiles and slice as this CTA's, so the per-CTA barrier covers them).
+__device__ __forceinline__ void copy_gathered_rows(const TileArgs& a) {
+  cg::cluster_group cluster = cg::this_cluster();
+  const int cs = (int)cluster.num_blocks(), crank = (int)cluster.block_rank();
+  const int cluster_id = blockIdx.x / cs, num_clusters = gridDim.x / cs;
+  const int D = a.hidden, nvec = D >> 3, T = a.num_tokens;
+  const int v0 = crank * nvec / cs, W = (crank + 1) * nvec / cs - v0;
+  const int num_tiles = (T + kTileTokens - 1) / kTileTokens;
+  const char* gather = static_cast<const char*>(ncclGetLsaPointer(a.lsa.window, a.lsa.gather_offset, a.lsa.rank));
+  for (int tile = cluster_id; tile < num_tiles; tile += num_clusters) {
+    for (int p = 0; p < a.lsa.world; ++p) {
+      if (p == a.lsa.rank) continue;
+      for (int idx = threadIdx.x; idx < kTileTokens * W; idx += kThreads) {
+        const int row = tile * kTileTokens + idx / W, vec = idx % W;
+        if (row >= T) continue;
+        const size_t off = ((size_t)p * T + row) * D + (size_t)(v0 + vec) * 8;
+        *reinterpret_cast<uint4*>(a.layer_input + off) = *reinterpret_cast<const uint4*>(gather + off * 2);
+      }
+    }
+  }
+}
+
+template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kGather, int kGPW>
+__global__ void __launch_bounds__(kThreads, 1) mhc_tile_kernel(const __grid_constant__ TileArgs a) {
+  if constexpr (kSrc == YSrc::kPeers || kGather) {
+    ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), a.lsa.dev_comm, ncclTeamTagLsa(), blockIdx.x};
+    // Entry: every peer's partial is written and nobody still reads the buffers we will write.
+    bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+    mhc_tiles<kSrc, kPost, kPre, kHead, kGather, kGPW>(a);
+    // Exit: our pushes are visible to the peers, theirs to us, and nobody reads our partial
+    // any more (so the caller may overwrite it after this kernel).
+    bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+    if constexpr (kGather) copy_gathered_rows(a);
+  } else {
+    mhc_tiles<kSrc, kPost, kPre, kHead, kGather, kGPW>(a);
+  }
+}
+
+}  // namespace spk

@@ -1,0 +1,81 @@
+#pragma once
+// Argument checks shared by the CUDA launchers: every bad input becomes a RuntimeError that names
+// the argument and what was expected (never a crash or a silently wrong result).
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <sstream>
+#include <vector>
+
+#include "kernels/mhc_math.cuh"
+
+#define SPK_CUDA_CHECK(expr)                                                                        \
+  do {                                                                                              \
+    cudaError_t spk_err_ = (expr);                                                                  \
+    TORCH_CHECK(spk_err_ == cudaSuccess, "CUDA error at ", __FILE__, ":", __LINE__, ": ",           \
+                cudaGetErrorString(spk_err_), " (", #expr, ")");                                    \
+  } while (0)
+
+#define SPK_NCCL_CHECK(expr, comm)                                                                  \
+  do {                                                                                              \
+    ncclResult_t spk_res_ = (expr);                                                                 \
+    TORCH_CHECK(spk_res_ == ncclSuccess, "NCCL error at ", __FILE__, ":", __LINE__, ": ",           \
+                ncclGetErrorString(spk_res_), " ", ncclGetLastError(comm), " (", #expr, ")");       \
+  } while (0)
+
+namespace spk {
+
+// sizes: expected sizes, -1 where any size goes.
+inline void check_tensor(const char* name, const at::Tensor& t, at::ScalarType dtype, std::vector<int64_t> sizes,
+                         const at::Device& device) {
+  std::ostringstream want;
+  want << "[";
+  for (size_t i = 0; i < sizes.size(); ++i) want << (i ? ", " : "") << (sizes[i] < 0 ? "*" : std::to_string(sizes[i]));
+  want << "]";
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, " ", want.str(), ", got ", t.scalar_type());
+  bool ok = t.dim() == (int64_t)sizes.size();
+  for (size_t i = 0; ok && i < sizes.size(); ++i) ok = sizes[i] < 0 || t.size(i) == sizes[i];
+  TORCH_CHECK(ok, name, " must have shape ", want.str(), ", got ", t.sizes());
+  TORCH_CHECK(t.device() == device, name, " must be on ", device, " like the stream, got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
+}
+
+// The stream: bf16 [T, 4, D] on CUDA, D a multiple of 8 up to kMaxHidden.
+inline void check_stream(const at::Tensor& stream) {
+  TORCH_CHECK(stream.is_cuda(), "stream must be a CUDA tensor, got ", stream.device());
+  TORCH_CHECK(stream.dim() == 3, "stream must be bf16 [T, 4, D], got shape ", stream.sizes());
+  TORCH_CHECK(stream.size(1) == kHC, "stream must be [T, 4, D]: the CUDA kernels support hc = 4 only, got hc = ",
+              stream.size(1));
+  const int64_t D = stream.size(2);
+  TORCH_CHECK(D > 0 && D % 8 == 0 && D <= kMaxHidden, "stream's hidden size D must be a multiple of 8 in [8, ",
+              kMaxHidden, "] on CUDA, got D = ", D);
+  check_tensor("stream", stream, at::kBFloat16, {-1, kHC, D}, stream.device());
+  TORCH_CHECK(stream.size(0) <= (int64_t)INT32_MAX / kHC, "stream has too many tokens: ", stream.size(0));
+}
+
+inline void check_post_args(const at::Tensor& stream, const at::Tensor& post_mix, const at::Tensor& res_mix) {
+  const int64_t T = stream.size(0);
+  check_tensor("post_mix", post_mix, at::kFloat, {T, kHC}, stream.device());
+  check_tensor("res_mix", res_mix, at::kFloat, {T, kHC, kHC}, stream.device());
+}
+
+inline void check_pre_args(const at::Tensor& stream, const at::Tensor& fn, const at::Tensor& scale,
+                           const at::Tensor& base, const c10::optional<at::Tensor>& norm_weight,
+                           const c10::optional<at::Tensor>& pre_mix_in, int64_t sinkhorn_iters) {
+  const int64_t T = stream.size(0), D = stream.size(2);
+  check_tensor("fn", fn, at::kFloat, {kMix, kHC * D}, stream.device());
+  check_tensor("scale", scale, at::kFloat, {3}, stream.device());
+  check_tensor("base", base, at::kFloat, {kMix}, stream.device());
+  if (norm_weight) check_tensor("norm_weight", *norm_weight, at::kBFloat16, {D}, stream.device());
+  if (pre_mix_in) check_tensor("pre_mix_in", *pre_mix_in, at::kFloat, {T, kHC}, stream.device());
+  TORCH_CHECK(sinkhorn_iters >= 1 && sinkhorn_iters <= 1000, "sinkhorn_iters must be in [1, 1000], got ",
+              sinkhorn_iters);
+}
+
+inline MhcEps make_eps(double rms_eps, double hc_eps, double norm_eps, int64_t sinkhorn_iters, double post_alpha) {
+  return MhcEps{(float)rms_eps, (float)hc_eps, (float)norm_eps, (int)sinkhorn_iters, (float)post_alpha};
+}
+
+}  // namespace spk

@@ -1,0 +1,132 @@
+// Communicator lifetime: NCCL bootstrap from a unique id, symmetric window, device communicator.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "ops/build_info.h"
+#include "ops/comm.h"
+#include "ops/mhc_ops.h"
+
+namespace spk {
+namespace {
+
+std::mutex g_mu;
+std::map<int64_t, std::unique_ptr<CommState>> g_comms;
+
+// The heaviest fused kernel decides how many clusters fit at once on this device.
+int local_max_clusters(int hidden) {
+  TilePlan plan;
+  SPK_CUDA_CHECK((plan_tiles<YSrc::kPeers, true, true, false, true>(1 << 30, hidden, 0, &plan)));
+  return plan.clusters;
+}
+
+}  // namespace
+
+CommState& get_comm(int64_t handle) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_comms.find(handle);
+  TORCH_CHECK(it != g_comms.end(), "comm ", handle,
+              " is not an open CUDA spkernels.Communicator (closed, never created, or a gloo one)");
+  return *it->second;
+}
+
+std::vector<int64_t> nccl_unique_id() {
+  ncclUniqueId id;
+  SPK_NCCL_CHECK(ncclGetUniqueId(&id), nullptr);
+  std::vector<int64_t> out(sizeof(id));
+  for (size_t i = 0; i < sizeof(id); ++i) out[i] = (unsigned char)id.internal[i];
+  return out;
+}
+
+int64_t comm_create(int64_t handle, std::vector<int64_t> unique_id, int64_t rank, int64_t world_size,
+                    int64_t device, int64_t max_tokens, int64_t hidden_size, int64_t hc, bool fused) {
+  ncclUniqueId id;
+  TORCH_CHECK(unique_id.size() == sizeof(id), "unique_id must have ", sizeof(id), " bytes, got ", unique_id.size());
+  TORCH_CHECK(hc == kHC, "hc must be 4 for a CUDA Communicator (the kernels specialise hc = 4), got ", hc);
+  TORCH_CHECK(hidden_size > 0 && hidden_size % 8 == 0 && hidden_size <= kMaxHidden,
+              "hidden_size must be a multiple of 8 in [8, ", kMaxHidden, "], got ", hidden_size);
+  TORCH_CHECK(max_tokens > 0 && max_tokens <= (1 << 24), "max_tokens must be in [1, 2^24], got ", max_tokens);
+  for (size_t i = 0; i < sizeof(id); ++i) id.internal[i] = (char)unique_id[i];
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    TORCH_CHECK(!g_comms.count(handle), "comm handle ", handle, " already exists");
+  }
+  int version = 0;
+  SPK_NCCL_CHECK(ncclGetVersion(&version), nullptr);
+  TORCH_CHECK(version >= 22800, "spkernels needs NCCL >= 2.28 at run time (device API), got ", version);
+
+  const c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
+  auto s = std::make_unique<CommState>();
+  s->handle = handle;
+  s->rank = (int)rank;
+  s->world = (int)world_size;
+  s->device = (int)device;
+  s->max_tokens = max_tokens;
+  s->hidden = hidden_size;
+  SPK_NCCL_CHECK(ncclCommInitRank(&s->comm, s->world, id, s->rank), nullptr);
+  s->buffer_bytes = 2 * s->region_bytes();
+  SPK_NCCL_CHECK(ncclMemAlloc(&s->buffer, s->buffer_bytes), s->comm);
+  SPK_NCCL_CHECK(ncclCommWindowRegister(s->comm, s->buffer, s->buffer_bytes, &s->window, NCCL_WIN_COLL_SYMMETRIC),
+                 s->comm);
+
+  // Every rank must launch the same fused grid (the LSA barriers pair CTAs by index), so the
+  // cluster cap is the minimum over ranks.
+  {
+    int* d_val = nullptr;
+    int val = local_max_clusters((int)hidden_size);
+    cudaStream_t st = c10::cuda::getCurrentCUDAStream();
+    SPK_CUDA_CHECK(cudaMallocAsync((void**)&d_val, sizeof(int), st));
+    SPK_CUDA_CHECK(cudaMemcpyAsync(d_val, &val, sizeof(int), cudaMemcpyHostToDevice, st));
+    SPK_NCCL_CHECK(ncclAllReduce(d_val, d_val, 1, ncclInt32, ncclMin, s->comm, st), s->comm);
+    SPK_CUDA_CHECK(cudaMemcpyAsync(&val, d_val, sizeof(int), cudaMemcpyDeviceToHost, st));
+    SPK_CUDA_CHECK(cudaFreeAsync(d_val, st));
+    SPK_CUDA_CHECK(cudaStreamSynchronize(st));
+    s->max_clusters = val;
+    s->max_ctas = val * tile_cluster_size((int)hidden_size);
+  }
+
+  ncclDevCommRequirements reqs;
+  std::memset(&reqs, 0, sizeof(reqs));
+  reqs.lsaBarrierCount = s->max_ctas;
+  SPK_NCCL_CHECK(ncclDevCommCreate(s->comm, &reqs, &s->dev_comm), s->comm);
+  s->has_dev_comm = true;
+  // Fused kernels need every peer reachable by load/store (one node, NVLink or P2P).
+  s->lsa = fused && s->dev_comm.lsaSize == s->world;
+  const int64_t backend = s->lsa ? 0 : 1;
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_comms[handle] = std::move(s);
+  return backend;
+}
+
+void comm_destroy(int64_t handle) {
+  std::unique_ptr<CommState> s;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = g_comms.find(handle);
+    TORCH_CHECK(it != g_comms.end(), "comm ", handle, " is not an open CUDA spkernels.Communicator");
+    s = std::move(it->second);
+    g_comms.erase(it);
+  }
+  const c10::cuda::CUDAGuard guard((c10::DeviceIndex)s->device);
+  // Order: no kernel may still use the window; then device comm, window, memory, communicator.
+  SPK_CUDA_CHECK(cudaDeviceSynchronize());
+  if (s->has_dev_comm) SPK_NCCL_CHECK(ncclDevCommDestroy(s->comm, &s->dev_comm), s->comm);
+  SPK_NCCL_CHECK(ncclCommWindowDeregister(s->comm, s->window), s->comm);
+  SPK_NCCL_CHECK(ncclMemFree(s->buffer), s->comm);
+  SPK_NCCL_CHECK(ncclCommFinalize(s->comm), s->comm);
+  SPK_NCCL_CHECK(ncclCommDestroy(s->comm), nullptr);
+}
+
+at::Tensor comm_partial_buffer(int64_t handle, int64_t num_tokens) {
+  CommState& s = get_comm(handle);
+  TORCH_CHECK(num_tokens > 0 && num_tokens <= s.max_tokens, "num_tokens must be in [1, max_tokens = ", s.max_tokens,
+              "], got ", num_tokens);
+  auto opts = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA, s.device);
+  return at::from_blob(s.buffer, {num_tokens, s.hidden}, opts);
+}
+
+}  // namespace spk

@@ -1,0 +1,84 @@
+#pragma once
+// Torch-aware launch helpers shared by the local ops and the fused (communicating) ops.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <tuple>
+
+#include "kernels/mhc_launch.cuh"
+#include "ops/checks.h"
+
+namespace spk {
+
+using Tensor = at::Tensor;
+using OptTensor = c10::optional<at::Tensor>;
+using PreOut = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+using PostPreOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+template <typename T>
+inline T* ptr(const Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+template <typename T>
+inline const T* cptr(const Tensor& t) {
+  return reinterpret_cast<const T*>(t.data_ptr());
+}
+template <typename T>
+inline const T* cptr(const OptTensor& t) {
+  return t ? reinterpret_cast<const T*>(t->data_ptr()) : nullptr;
+}
+
+inline TileArgs base_tile_args(const Tensor& stream) {
+  TileArgs a = {};
+  a.num_tokens = (int)stream.size(0);
+  a.hidden = (int)stream.size(2);
+  a.stream = cptr<__nv_bfloat16>(stream);
+  return a;
+}
+
+inline void set_post_args(TileArgs& a, const Tensor& post_mix, const Tensor& res_mix, const Tensor& new_stream) {
+  a.post_mix_in = cptr<float>(post_mix);
+  a.res_mix_in = cptr<float>(res_mix);
+  a.new_stream = ptr<__nv_bfloat16>(new_stream);
+}
+
+// Pre outputs: layer_input rows [T, D] (or [tp * T, D] when gathering), post/res/pre mixes.
+inline PreOut set_pre_args(TileArgs& a, const Tensor& stream, const Tensor& fn, const Tensor& scale,
+                           const Tensor& base, const OptTensor& norm_weight, const OptTensor& pre_mix_in, MhcEps eps,
+                           int64_t layer_input_rows) {
+  const int64_t T = stream.size(0), D = stream.size(2);
+  auto f32 = stream.options().dtype(at::kFloat);
+  PreOut out{at::empty({layer_input_rows, D}, stream.options()), at::empty({T, kHC}, f32),
+             at::empty({T, kHC, kHC}, f32), at::empty({T, kHC}, f32)};
+  a.fn = cptr<float>(fn);
+  a.scale = cptr<float>(scale);
+  a.base = cptr<float>(base);
+  a.norm_weight = cptr<__nv_bfloat16>(norm_weight);
+  a.pre_mix_in = cptr<float>(pre_mix_in);
+  a.eps = eps;
+  a.layer_input = ptr<__nv_bfloat16>(std::get<0>(out));
+  a.post_mix = ptr<float>(std::get<1>(out));
+  a.res_mix = ptr<float>(std::get<2>(out));
+  a.pre_mix = ptr<float>(std::get<3>(out));
+  return out;
+}
+
+template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kGather>
+inline void run_tiles(const TileArgs& a, int max_clusters) {
+  TilePlan plan;
+  SPK_CUDA_CHECK((plan_tiles<kSrc, kPost, kPre, kHead, kGather>(a.num_tokens, a.hidden, max_clusters, &plan)));
+  SPK_CUDA_CHECK(launch_tiles(plan, a, c10::cuda::getCurrentCUDAStream()));
+}
+
+// Local ops, also the compute half of the `nccl` backend.
+PreOut mhc_pre_cuda(const Tensor& stream, const Tensor& fn, const Tensor& scale, const Tensor& base,
+                    const OptTensor& norm_weight, const OptTensor& pre_mix_in, double rms_eps, double hc_eps,
+                    double norm_eps, int64_t sinkhorn_iters, double post_alpha);
+Tensor mhc_post_cuda(const Tensor& y, const Tensor& stream, const Tensor& post_mix, const Tensor& res_mix);
+PostPreOut mhc_post_pre_cuda(const Tensor& y, const Tensor& stream, const Tensor& post_mix, const Tensor& res_mix,
+                             const Tensor& fn, const Tensor& scale, const Tensor& base, const OptTensor& norm_weight,
+                             const OptTensor& pre_mix_in, double rms_eps, double hc_eps, double norm_eps,
+                             int64_t sinkhorn_iters, double post_alpha);
+
+}  // namespace spk

@@ -1,0 +1,156 @@
+"""CUDA local kernels (mhc_pre, mhc_post, mhc_post_pre, mhc_head) against reference.py in fp64.
+
+Runs on the GPU machine; skipped without CUDA. Tolerances: bf16 outputs through
+conftest.assert_bf16_close (at most 1 bf16 spacing per element, 2 after the fused norm, <= 1%
+of elements flipped); mixes within 1e-4 absolute: the kernel's fn · x runs on bf16 tensor cores
+with fn split into hi + lo (|fn - hi - lo| <= 2^-17 |fn|), an error ~1e-5 on m, the rest fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import spkernels  # noqa: F401
+from spkernels import reference as ref
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+ops = torch.ops.spkernels
+f64 = torch.float64
+MIX_ATOL = 1e-4
+SIZES = [(T, D) for D in (64, 4096, 5120, 7168) for T in (1, 2, 3, 17, 256, 4099)]
+
+
+def poison_allocator() -> None:
+    """Fill the caching allocator's free blocks with NaN so that outputs the op allocates start as
+    NaN: any element the kernel fails to write fails the finite check."""
+    free = torch.cuda.mem_get_info()[0]
+    block = torch.empty(min(free // 4, 4 << 30) // 4, dtype=torch.float32, device="cuda")
+    block.fill_(float("nan"))
+    del block
+
+
+def to_cuda(d):
+    return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
+
+
+def inputs(mhc, T, D, pad_rows=0):
+    stream = mhc.stream(T, D)
+    if pad_rows:
+        stream[T - pad_rows :] = 0  # padding tokens: zero rows must give finite coefficients
+    site = mhc.site(D, norm=bool(T % 2))  # odd T: fused norm; even T: none
+    pre_mix_in = mhc.pre_mix_in(T) if T % 3 == 0 else None
+    return stream.cuda(), to_cuda(site), (pre_mix_in.cuda() if pre_mix_in is not None else None)
+
+
+def check_pre_outputs(mhc, got, want):
+    names = ("layer_input", "post_mix", "res_mix", "pre_mix")
+    mhc.assert_bf16_close(got[0], want[0], names[0], ulps=2)
+    for g, w, n in zip(got[1:], want[1:], names[1:], strict=True):
+        mhc.assert_mix_close(g, w.float(), n, atol=MIX_ATOL)
+
+
+@pytest.mark.parametrize("T,D", SIZES)
+def test_mhc_pre(mhc, T, D):
+    stream, site, pmi = inputs(mhc, T, D, pad_rows=min(2, T - 1))
+    poison_allocator()
+    got = ops.mhc_pre(stream, site["fn"], site["scale"], site["base"], site["norm_weight"], pmi)
+    torch.cuda.synchronize()
+    want = ref.mhc_pre(stream, site["fn"], site["scale"], site["base"], site["norm_weight"], pmi, compute_dtype=f64)
+    check_pre_outputs(mhc, got, want)
+
+
+@pytest.mark.parametrize("T,D", SIZES)
+def test_mhc_post(mhc, T, D):
+    stream = mhc.stream(T, D).cuda()
+    y = mhc.y(T, D).cuda()
+    post_mix, res_mix = (t.cuda() for t in mhc.mixes(T))
+    poison_allocator()
+    got = ops.mhc_post(y, stream, post_mix, res_mix)
+    want = ref.mhc_post(y, stream, post_mix, res_mix, compute_dtype=f64)
+    mhc.assert_bf16_close(got, want, "new_stream")
+
+
+@pytest.mark.parametrize("T,D", SIZES)
+def test_mhc_post_pre(mhc, T, D):
+    stream, site, pmi = inputs(mhc, T, D)
+    y = mhc.y(T, D).cuda()
+    post_mix, res_mix = (t.cuda() for t in mhc.mixes(T))
+    args = (y, stream, post_mix, res_mix, site["fn"], site["scale"], site["base"], site["norm_weight"], pmi)
+    poison_allocator()
+    got = ops.mhc_post_pre(*args)
+    want = ref.mhc_post_pre(*args, compute_dtype=f64)
+    mhc.assert_bf16_close(got[0], want[0], "new_stream")
+    # The pre runs on the kernel's own new stream: compare it with the reference pre of that
+    # stream so a (rare, legal) bf16 flip in the post does not count twice.
+    want_pre = ref.mhc_pre(got[0], site["fn"], site["scale"], site["base"], site["norm_weight"], pmi, compute_dtype=f64)
+    check_pre_outputs(mhc, got[1:], want_pre)
+
+
+@pytest.mark.parametrize("T,D", SIZES)
+def test_mhc_head(mhc, T, D):
+    stream = mhc.stream(T, D).cuda()
+    head = to_cuda(mhc.head(D))
+    poison_allocator()
+    got = ops.mhc_head(stream, head["fn"], head["scale"], head["base"])
+    want = ref.mhc_head(stream, head["fn"], head["scale"], head["base"], compute_dtype=f64)
+    mhc.assert_bf16_close(got, want, "head")
+
+
+def test_cuda_graph_replay_matches_eager(mhc):
+    T, D = 24, 4096
+    stream, site, _ = inputs(mhc, T, D)
+    y = mhc.y(T, D).cuda()
+    post_mix, res_mix = (t.cuda() for t in mhc.mixes(T))
+    static = [y, stream, post_mix, res_mix]
+    run = lambda: ops.mhc_post_pre(*static, site["fn"], site["scale"], site["base"], site["norm_weight"], None)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()  # warm-up outside capture (attributes, occupancy cache)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for _ in range(3):
+        fresh = [mhc.y(T, D), mhc.stream(T, D), *mhc.mixes(T)]
+        for dst, src in zip(static, fresh, strict=True):
+            dst.copy_(src)
+        graph.replay()
+        eager = run()
+        for g, e in zip(out, eager, strict=True):
+            assert torch.equal(g, e), "graph replay differs from eager"
+
+
+def test_deterministic_across_calls(mhc):
+    T, D = 300, 5120
+    stream, site, _ = inputs(mhc, T, D)
+    a = ops.mhc_pre(stream, site["fn"], site["scale"], site["base"], site["norm_weight"], None)
+    b = ops.mhc_pre(stream, site["fn"], site["scale"], site["base"], site["norm_weight"], None)
+    for x, z in zip(a, b, strict=True):
+        assert torch.equal(x, z)
+
+
+BAD = [
+    ("stream", lambda s: s.float(), "stream"),
+    ("stream", lambda s: s[:, :3].contiguous(), "hc = 4"),
+    ("stream", lambda s: s[:, :, :60].contiguous(), "multiple of 8"),
+    ("stream", lambda s: s.transpose(0, 1).contiguous().transpose(0, 1), "contiguous"),
+    ("fn", lambda f: f[:, :-8].contiguous(), "fn"),
+    ("fn", lambda f: f.double(), "fn"),
+    ("fn", lambda f: f.cpu(), "fn"),
+    ("scale", lambda x: x[:2].contiguous(), "scale"),
+    ("norm_weight", lambda x: x.float(), "norm_weight"),
+]
+
+
+@pytest.mark.parametrize("arg,mutate,needle", BAD)
+def test_bad_inputs_raise(mhc, arg, mutate, needle):
+    T, D = 8, 64
+    stream = mhc.stream(T, D).cuda()
+    site = to_cuda(mhc.site(D))
+    kw = {"stream": stream, **site}
+    kw[arg] = mutate(kw[arg])
+    with pytest.raises((RuntimeError, ValueError), match=needle):
+        ops.mhc_pre(kw["stream"], kw["fn"], kw["scale"], kw["base"], kw["norm_weight"], None)
+    ops.mhc_pre(stream, site["fn"], site["scale"], site["base"], site["norm_weight"], None)  # still usable
