@@ -8,22 +8,22 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 export MAX_JOBS=${MAX_JOBS:-16}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$OUT/machine.txt" 2>&1
 start=$(date +%s)
-if ! pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+if ! python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
   tail -60 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
 fi
 echo "build: $(( $(date +%s) - start )) s"
-python -c "
+python3 -c "
 import torch, spkernels, spkernels._library as L
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl runtime', L.runtime_nccl_version(), 'compiled', L.COMPILED_NCCL_VERSION)
 print('ops:', sorted(n for n in torch.ops.spkernels._dir if not n.startswith('_')) if hasattr(torch.ops.spkernels, '_dir') else '')
 " 2>&1 | tee "$OUT/import.log"
 rc=0
 if [[ $what == test || $what == all ]]; then
-  timeout 1200 python -m pytest -q -x -p no:cacheprovider tests "$@" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+  timeout 1200 python3 -m pytest -q -x -p no:cacheprovider tests "$@" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
   rc=${PIPESTATUS[0]}
   echo "pytest rc=$rc"
 fi
 if [[ $what == bench || $what == all ]]; then
-  timeout 900 python bench/collectives.py --quick --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
+  timeout 900 python3 bench/collectives.py --quick --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
 exit $rc

@@ -110,11 +110,19 @@ class Engine:
             if start + count == len(req.tokens):
                 samples.append((req, len(ids) - 1))
         num_tokens, pad = len(ids), padded - len(ids)
+        # One host-to-device copy for the four per-token inputs: it sits on every decode step.
+        packed = self._tensor([
+            ids + [m.pad_id] * pad,
+            positions + [0] * pad,
+            rows + [m.trash_row] * pad,
+            seq_lens + [1] * pad,
+        ])  # fmt: skip
+        input_ids, positions_t, rows_t, seq_lens_t = packed.unbind(0)
         batch = Batch(
-            input_ids=self._tensor(ids + [m.pad_id] * pad),
-            positions=self._tensor(positions + [0] * pad),
-            rows=self._tensor(rows + [m.trash_row] * pad),
-            seq_lens=self._tensor(seq_lens + [1] * pad),
+            input_ids=input_ids,
+            positions=positions_t,
+            rows=rows_t,
+            seq_lens=seq_lens_t,
             num_tokens=num_tokens,
             segments=None if decode else segments,
             sample_idx=None if decode else self._tensor([row for _, row in samples]),

@@ -246,6 +246,7 @@ def worker(rank: int, world_size: int, opts: RunOptions) -> dict | None:
         if log:
             log(f"saved weights to {opts.save_weights} ({fmt})")
     plan_ = plan(opts, config)
+    keep_weights = opts.check and rank == 0  # for the one-process reference run
     comm = None
     if world_size > 1:
         from ..comm import Communicator
@@ -253,6 +254,11 @@ def worker(rank: int, world_size: int, opts: RunOptions) -> dict | None:
         comm = Communicator(max_tokens=plan_.comm_capacity, hidden_size=config.hidden_size)
     try:
         model = Model(config, weights, device, comm, len(plan_.prompts), plan_.kv_len)
+        if not keep_weights:
+            del weights  # the full model, generated on every rank: keep only the shard
+        if device.type == "cuda":  # peak memory of the run, not of generating the full weights
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
         if log:
             log(
                 f"{config.num_layers} layers, D={config.hidden_size}, tp={world_size}, {plan_.policy}, "
@@ -269,28 +275,27 @@ def worker(rank: int, world_size: int, opts: RunOptions) -> dict | None:
             if any(t != tokens for t, _ in every):
                 raise RuntimeError("ranks generated different tokens: replicated outputs drifted")
             memory = [m for _, m in every]
-        if rank != 0:
-            return None
-        results = {
-            "tokens": tokens,
-            "stats": stats,
-            "peak_memory": memory,
-            "steps": steps,
-            "logits": [torch.stack(r.logits) if r.logits else torch.empty(0) for r in requests],
-        }
-        if opts.check:
-            ref_model = Model(config, weights, device, None, len(plan_.prompts), plan_.kv_len)
-            ref_policy = SPPolicy(1, None, ())
-            ref_requests, _, _ = _generate(ref_model, plan_, opts, ref_policy, False, None, True)
-            reference = {
-                "tokens": [r.generated for r in ref_requests],
-                "logits": [torch.stack(r.logits) for r in ref_requests],
-            }
-            results["check"] = compare(results, reference, opts.check_atol)
-        return results
     finally:
-        if comm is not None:
+        if comm is not None:  # collective: before rank 0 goes off alone for the reference run
             comm.close()
+    if rank != 0:
+        return None
+    results = {
+        "tokens": tokens,
+        "stats": stats,
+        "peak_memory": memory,
+        "steps": steps,
+        "logits": [torch.stack(r.logits) if r.logits else torch.empty(0) for r in requests],
+    }
+    if opts.check:
+        ref_model = Model(config, weights, device, None, len(plan_.prompts), plan_.kv_len)
+        ref_requests, _, _ = _generate(ref_model, plan_, opts, SPPolicy(1, None, ()), False, None, True)
+        reference = {
+            "tokens": [r.generated for r in ref_requests],
+            "logits": [torch.stack(r.logits) for r in ref_requests],
+        }
+        results["check"] = compare(results, reference, opts.check_atol)
+    return results
 
 
 def _free_port() -> int:
