@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-
 from distributed import run_distributed
+from test_cuda_local import expected_layer_input
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
@@ -61,9 +61,14 @@ def _check_case(comm, T, D, seed, zero_copy):
     new_stream = ref.mhc_post(y, stream, post_mix, res_mix, compute_dtype=f64)
     conftest.assert_bf16_close(got[0], new_stream, f"TP new_stream T={T}")
     want = ref.mhc_pre(got[0], *pre_args, pmi, compute_dtype=f64)
-    conftest.assert_bf16_close(got[1], want[0], f"TP layer_input T={T}", ulps=2)
     for g_, w_, n in zip(got[2:], want[1:], ("post", "res", "pre"), strict=True):
         conftest.assert_mix_close(g_, w_, f"TP {n} T={T}", atol=MIX_ATOL)
+    conftest.assert_bf16_close(
+        got[1],
+        expected_layer_input(got[0], got[4], pmi, site["norm_weight"]),
+        f"TP layer_input T={T}",
+        ulps=2,
+    )
     # Replicas must be bitwise identical (fixed summation order on every rank).
     for t in got:
         gathered = [torch.empty_like(t) for _ in range(tp)]
@@ -138,17 +143,23 @@ def _odd_tokens_worker(rank, world_size):
         stream, post_mix, res_mix, site, pmi, partials = _gen_inputs(7, T, D, rank)
         sh = lambda t: ops.sp_shard(t, comm.handle)
         pad = lambda t: torch.cat([t, t.new_zeros((1, *t.shape[1:]))])
+        pre_args = (site["fn"], site["scale"], site["base"], site["norm_weight"], None)
         got = ops.mhc_post_pre_rs_ag(
-            pad(partials[rank]), sh(stream), sh(post_mix), sh(res_mix), site["fn"], site["scale"], site["base"],
-            site["norm_weight"], None, 1e-6, 1e-6, 1e-6, 20, 2.0, comm.handle,
+            pad(partials[rank]), sh(stream), sh(post_mix), sh(res_mix), *pre_args, 1e-6, 1e-6, 1e-6, 20, 2.0,
+            comm.handle,
         )  # fmt: skip
         assert torch.isfinite(got[1]).all() and all(torch.isfinite(t).all() for t in got[2:])
         stream_full = ops.sp_all_gather(got[0], T, comm.handle)
         y = ref.reduce_partials(partials)
         want = ref.mhc_post(y, stream, post_mix, res_mix, compute_dtype=torch.float64)
         conftest.assert_bf16_close(stream_full, want, "gathered stream")
-        conftest.assert_bf16_close(got[1][:T], ref.mhc_pre(stream_full, site["fn"], site["scale"], site["base"],
-                                   site["norm_weight"], compute_dtype=torch.float64)[0], "layer_input", ulps=2)
+        pre_full = ops.sp_all_gather(got[4], T, comm.handle)
+        conftest.assert_bf16_close(
+            got[1][:T],
+            expected_layer_input(stream_full, pre_full, None, site["norm_weight"]),
+            "layer_input",
+            ulps=2,
+        )
         assert (got[1][T:] == 0).all() or torch.isfinite(got[1][T:]).all()
     return True
 
@@ -235,8 +246,13 @@ def _bad_input_worker(rank, world_size):
                 ops.mhc_post_rs(partial, stream, *mix, comm.handle)
         big = torch.randn(40, 4, D, device="cuda").to(torch.bfloat16)
         with pytest.raises((RuntimeError, ValueError), match="capacity"):
-            ops.mhc_post_ar(torch.randn(40, D, device="cuda").to(torch.bfloat16), big,
-                            torch.rand(40, 4, device="cuda"), torch.rand(40, 4, 4, device="cuda"), comm.handle)
+            ops.mhc_post_ar(
+                torch.randn(40, D, device="cuda").to(torch.bfloat16),
+                big,
+                torch.rand(40, 4, device="cuda"),
+                torch.rand(40, 4, 4, device="cuda"),
+                comm.handle,
+            )
         with pytest.raises((RuntimeError, ValueError), match="not an open"):
             ops.mhc_post_rs(torch.randn(16, D, device="cuda").to(torch.bfloat16), stream, *mix, 987654)
     with pytest.raises((RuntimeError, ValueError), match="not an open"):
