@@ -19,7 +19,8 @@ print('ops:', sorted(n for n in torch.ops.spkernels._dir if not n.startswith('_'
 " 2>&1 | tee "$OUT/import.log"
 rc=0
 if [[ $what == test || $what == all ]]; then
-  timeout 1200 python3 -m pytest -q -p no:cacheprovider tests "$@" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+  targets=("$@"); [[ ${#targets[@]} -eq 0 ]] && targets=(tests)
+  timeout 1200 python3 -m pytest -q -p no:cacheprovider "${targets[@]}" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
   rc=${PIPESTATUS[0]}
   echo "pytest rc=$rc"
 fi
