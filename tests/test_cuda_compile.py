@@ -1,0 +1,121 @@
+"""nvcc compiles every CUDA source for sm_90a, so CUDA code that does not compile fails CI even on a
+machine without a GPU (and with a CPU-only torch). One case per file:
+
+- every ``csrc/**/*.cu`` against torch's headers and the NCCL headers of the pip package
+  nvidia-nccl-cu13 (the NCCL torch loads on the GPU machine), as CMake builds it;
+- ``csrc/torch_bindings.cpp`` with ``SPK_WITH_CUDA=1`` (its CUDA-only registrations);
+- every ``csrc/kernels/*.cuh`` on its own with no torch include path: the kernel layer must stay
+  torch-free (STYLE.md item 1).
+
+The files compile in parallel (one nvcc per core) as soon as the first case asks for them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import torch.utils.cpp_extension
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "csrc"
+NVCC = shutil.which("nvcc")
+COMPILE_TIMEOUT_S = 1200  # ~25 s per file on 2 cores today; leave room for a slow CI machine
+
+CU_FILES = sorted(CSRC.rglob("*.cu"))
+KERNEL_HEADERS = sorted((CSRC / "kernels").glob("*.cuh"))
+BINDINGS = CSRC / "torch_bindings.cpp"
+
+
+def nccl_include_dir() -> Path | None:
+    try:
+        import nvidia.nccl
+    except ImportError:
+        return None
+    for root in nvidia.nccl.__path__:
+        if (Path(root) / "include" / "nccl.h").exists():
+            return Path(root) / "include"
+    return None
+
+
+def cases() -> list:
+    if not CU_FILES:
+        return [pytest.param(None, "torch", marks=pytest.mark.skip(reason="no csrc/**/*.cu sources yet"))]
+    out = [pytest.param(f, "torch", id=str(f.relative_to(ROOT))) for f in CU_FILES]
+    out.append(pytest.param(BINDINGS, "torch", id=f"{BINDINGS.relative_to(ROOT)}-with-cuda"))
+    out += [pytest.param(h, "torch-free", id=f"{h.relative_to(ROOT)}-torch-free") for h in KERNEL_HEADERS]
+    return out
+
+
+class Compiler:
+    def __init__(self, workdir: Path, nccl_include: Path) -> None:
+        self.workdir = workdir
+        # A CPU-only torch wheel ships the c10/cuda headers but not the one CMake generates for CUDA
+        # builds; it only says that c10_cuda is a shared library. Supply it, never shadowing a real one.
+        shim = workdir / "shim"
+        torch_includes = [Path(p) for p in torch.utils.cpp_extension.include_paths()]
+        if not any((p / "c10/cuda/impl/cuda_cmake_macros.h").exists() for p in torch_includes):
+            (shim / "c10/cuda/impl").mkdir(parents=True)
+            (shim / "c10/cuda/impl/cuda_cmake_macros.h").write_text(
+                "#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n"
+            )
+        self.common = [
+            NVCC, "-c", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
+            "-DSPK_WITH_CUDA=1", f"-I{CSRC}", f"-I{nccl_include}",
+        ]  # fmt: skip
+        self.torch_flags = [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+        self.torch_flags += [f"-I{p}" for p in torch_includes] + [f"-I{shim}"]
+        self.pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+        self.jobs: dict[tuple[Path, str], Future] = {}
+
+    def submit_all(self, params: list) -> None:
+        for p in params:
+            src, kind = p.values
+            if src is not None:
+                self.jobs[(src, kind)] = self.pool.submit(self._compile, src, kind)
+
+    def _compile(self, src: Path, kind: str) -> tuple[list[str], subprocess.CompletedProcess | None]:
+        name = f"{src.relative_to(ROOT)}-{kind}".replace("/", "_")
+        if kind == "torch-free":
+            unit = self.workdir / f"{name}.cu"
+            unit.write_text(f'#include "{src.relative_to(CSRC)}"\n')
+            cmd = [*self.common, str(unit)]
+        else:
+            cmd = [*self.common, *self.torch_flags, str(src)]
+        cmd += ["-o", str(self.workdir / f"{name}.o")]
+        try:
+            return cmd, subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return cmd, None
+
+    def result(self, src: Path, kind: str):
+        return self.jobs[(src, kind)].result()
+
+
+@pytest.fixture(scope="module")
+def compiler(tmp_path_factory):
+    if NVCC is None:
+        pytest.skip("nvcc is not on PATH: the CUDA compile check needs the CUDA toolkit")
+    nccl_include = nccl_include_dir()
+    if nccl_include is None:
+        pytest.skip("no NCCL headers: `pip install nvidia-nccl-cu13` (the NCCL that torch loads) to compile")
+    c = Compiler(tmp_path_factory.mktemp("nvcc"), nccl_include)
+    c.submit_all(cases())
+    yield c
+    c.pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("src, kind", cases())
+def test_nvcc_compiles(compiler, src, kind):
+    cmd, proc = compiler.result(src, kind)
+    assert proc is not None, f"nvcc ran over {COMPILE_TIMEOUT_S} s on {src}:\n{' '.join(cmd)}"
+    errors = "\n".join(line for line in proc.stderr.splitlines() if "error" in line)
+    assert proc.returncode == 0, (
+        f"nvcc failed on {src.relative_to(ROOT)} ({kind}):\n{' '.join(cmd)}\n"
+        f"--- errors ---\n{errors}\n--- last output ---\n{proc.stderr[-6000:]}"
+    )
