@@ -1,0 +1,92 @@
+"""bench/collectives.py on the CPU: the gloo smoke sweep end to end, and the report's arithmetic."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+cases = pytest.importorskip("cases", reason="spkernels is not importable")
+report = pytest.importorskip("report")
+
+ROW_KEYS = {"op", "T", "D", "tp", "graph", "time_us", "baseline", "baseline_us", "speedup", "floor_us",
+            "frac_of_floor"}  # fmt: skip
+MACHINE_KEYS = {"gpu", "gpus", "driver", "torch", "cuda", "nccl", "commit", "date"}
+
+
+def test_cpu_sweep_end_to_end(tmp_path):
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "collectives.py"),
+        "--cpu",
+        "--out",
+        str(tmp_path),
+        "--name",
+        "smoke",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    doc = json.loads((tmp_path / "smoke.json").read_text())
+    assert MACHINE_KEYS <= set(doc["machine"])
+    rows = doc["rows"]
+    every_op = {*cases.LOCAL_OPS, *cases.SP_OPS, *cases.TP_OPS} | {f"{op}:plain" for op in cases.PARTIAL_OPS}
+    assert {r["op"] for r in rows} == every_op
+    for r in rows:
+        assert ROW_KEYS <= set(r), r
+        assert r["wrong"] == 0 and "error" not in r, r  # the CPU ops are the reference math
+        assert r["graph"] is False and r["time_us"] > 0 and r["baseline_us"] > 0 and r["floor_us"] > 0, r
+        assert r["speedup"] == pytest.approx(r["baseline_us"] / r["time_us"])
+        assert r["frac_of_floor"] == pytest.approx(r["floor_us"] / r["time_us"])
+    baselines = {r["baseline"] for r in rows}
+    assert {"eager_ref", "nccl", "nccl+spkernels", "nccl+eager_ref"} <= baselines
+    assert set(doc["crossover"]) == {"2"} and set(doc["crossover"]["2"]) == {"256"}
+    assert doc["floors"]["copy_GBps"] > 0 and doc["floors"]["link_GBps"]["2"] > 0
+    assert (tmp_path / "smoke.txt").read_text().startswith("op ")
+    assert "SPEC.md §7 targets" in proc.stdout
+
+
+def test_traffic_formulas():
+    T, D = 4096, 4096
+    R = D * 2
+    link, hbm = cases.traffic("mhc_post_pre_rs_ag", T, D, 2)
+    assert link == T * R  # RS + AG, each (n-1)/n * T*R per direction
+    assert hbm == 2 * T * R + T // 2 * (8 * R + 176) + 24 * 4 * D * 4
+    assert cases.traffic("mhc_post_pre_rs_ag:plain", T, D, 2) == (link, hbm)
+    assert cases.traffic("mhc_post", T, D, 1) == (0.0, T * (9 * R + 80))
+    link_ar, _ = cases.traffic("mhc_post_pre_ar", T, D, 4)
+    assert link_ar == 2 * 3 / 4 * T * R
+    floors = {"copy_GBps": 1000.0, "link_GBps": {"2": 100.0}}
+    assert report.floor_us("mhc_post_pre_rs_ag", T, D, 2, floors) == pytest.approx(link / 100e3)
+    assert report.floor_us("mhc_post", T, D, 1, floors) == pytest.approx(T * (9 * R + 80) / 1000e3)
+
+
+def _row(op, T, t, graph=True):
+    return {"op": op, "T": T, "D": 4096, "tp": 2, "graph": graph, "time_us": t}
+
+
+def test_crossover_is_the_start_of_the_last_winning_run():
+    times = {8: (10, 5), 64: (9, 10), 512: (20, 30), 4096: (100, 200)}  # T: (SP, TP)
+    rows = [_row("mhc_post_pre_rs_ag", T, sp) for T, (sp, _) in times.items()]
+    rows += [_row("mhc_post_pre_ar", T, tp) for T, (_, tp) in times.items()]
+    rows += [_row("mhc_post_pre_rs_ag", 8, 1.0, graph=False)]  # eager rows are ignored when graphs ran
+    assert report.crossover(rows) == {"2": {"4096": 64}}
+    rows[3]["time_us"] = 1000  # SP loses at the largest T: it never wins for good
+    assert report.crossover(rows) == {"2": {"4096": None}}
+
+
+def test_count_wrong():
+    x = torch.randn(16, 4, 32).to(torch.bfloat16)
+    mix = torch.rand(16, 4)
+    assert cases.count_wrong((x, mix), (x.clone(), mix + 1e-4)) == 0
+    assert cases.count_wrong((x.transpose(1, 2).reshape(16, 4, 32), mix), (x, mix)) > 0
+    bad = x.clone()
+    bad[0, 0, 0] = float("nan")
+    assert cases.count_wrong(bad, x) == 1
+    assert cases.count_wrong(x[:8], x) == x.numel()
