@@ -89,8 +89,7 @@ class TimingConfig:
     repeats: int = 7  # timed chunks per variant; the median is kept
     target_us: float = 2000.0  # aim of one chunk's duration, so event resolution and syncs don't matter
     max_calls: int = 256  # most calls in one eager chunk or one graph
-    min_graph_calls: int = 16
-    max_replays: int = 20
+    max_replays: int = 64
 
 
 class Bench:
@@ -150,7 +149,7 @@ class Bench:
                 runners[name] = lambda fn=fn, n=calls: _loop(fn, n, nsets)
                 per_chunk[name] = calls
                 continue
-            calls = self._calls_for(est, self.cfg.min_graph_calls)
+            calls = max(self._calls_for(est, 2), min(nsets, self.cfg.max_calls))
             replay = [None]
             est = self._stage(errors, name, lambda fn=fn, c=calls, r=replay: self._graph(fn, nsets, c, r))
             if est is None:

@@ -84,6 +84,13 @@ def worker(args) -> None:
         _run_shape(args, suite, suite_ops[suite], T, D, tp, bench, group, comm, params[D], modes, records)
         progress.step(f"{suite} T={T} D={D} tp={tp}")
 
+    if args.cuda:  # compile each reference once per D, before anything is timed
+        for D in sorted({D for _, D in shapes} & set(_ints(args.compile_D))):
+            params[D] = cases.make_params(D, device)
+            for op in sorted({o for ops in suite_ops.values() for o in ops} - {"sp_all_gather"}):
+                if "all" in args.compile_ops.split(",") or op in args.compile_ops.split(","):
+                    cases.prime_compiled(op, D, params[D], device)
+        world_bench.sync()
     for T, D in shapes if "local" in suite_ops else ():
         run("local", T, D, 1, world_bench)
     for tp in tps if n_shard else ():
