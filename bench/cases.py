@@ -254,12 +254,7 @@ def variants(op: str, c: Ctx, guard: bool = False) -> dict[str, Callable[[int], 
     if op == "sp_all_gather":
         out["nccl"] = lambda i: _all_gather(x.partials[i][: c.T // c.tp], c)
         return out
-    local_fn = {"mhc_post_rs": ops.mhc_post, "mhc_post_ar": ops.mhc_post, "mhc_pre_ag": spk_pre}.get(
-        op, spk_post_pre
-    )
-    reference = {"mhc_post_rs": ref_post, "mhc_post_ar": ref_post, "mhc_pre_ag": ref_pre}.get(
-        op, ref_post_pre
-    )
+    local_fn, reference = LOCAL_FNS[LOCAL_OF[op]]
     out["nccl+spkernels"] = _unfused(op, c, local_fn, guard)
     if c.with_compile and not guard:
         out["nccl+compile_ref"] = _unfused(op, c, compiled(reference), guard)

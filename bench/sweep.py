@@ -44,7 +44,7 @@ def plan(args, world: int):
         shapes = QUICK_SHAPES
     else:
         shapes = [(T, D) for D in ALL_D for T in ALL_T]
-    tps = [tp for tp in (_ints(args.tp) or [world] + ([2] if world > 2 else [])) if tp <= world]
+    tps = [tp for tp in (_ints(args.tp) or [world] + ([2] if world > 2 else [])) if 1 < tp <= world]
     modes = [
         m == "graph" for m in args.modes.split(",") if m in ("eager", "graph") and (args.cuda or m == "eager")
     ]
@@ -75,6 +75,8 @@ def worker(args) -> None:
     floors = {"copy_GBps": copy_bandwidth(world_bench), "link_GBps": {}, "link_probe": {}}
     records: list[dict] = []
     n_shard = sum(1 for s in ("sp", "tp") if s in suite_ops)
+    if rank == 0 and n_shard and not tps:
+        print(f"sp/tp suites skipped: they need tp >= 2 ranks, this run has {world}", flush=True)
     progress = Progress(len(shapes) * (("local" in suite_ops) + n_shard * len(tps)), rank == 0)
     params = {}
 
@@ -118,6 +120,7 @@ def worker(args) -> None:
     progress.close()
     if rank == 0:
         _finish(args, records, floors, time.time() - t_start)
+    world_bench.sync()  # leave together: a rank tearing down early can abort one still reporting
 
 
 def _probe_tokens(tp: int, D: int) -> int:
