@@ -10,10 +10,11 @@ median, max over ranks, A/B interleaving, inputs rotated over >= 2x L2). Outputs
 <name>.txt (every row), <name>.png (latency and speedup vs T).
 
 Floors. At start: copy_bw = a 1 GiB device copy, bytes read + written / time; link_bw = bytes
-received per rank / time of ``sp_all_gather`` at >= 128 MiB received per rank (the LSA pull probe;
-NCCL all_gather_into_tensor when the backend is not lsa). Per op, with E = 2 bytes (bf16), n = tp,
-hc = 4, R = D*E (one row), F = 24*4D*4 (fn, fp32), mixes 80 B read (post+res) and 96 B written
-(post+res+pre) per token, every input read once and every output written once:
+received per rank / time of an all-gather at >= 128 MiB received per rank, the faster of
+``sp_all_gather`` (the LSA pull probe, when the backend is lsa) and NCCL's all_gather_into_tensor.
+Per op, with E = 2 bytes (bf16), n = tp, hc = 4, R = D*E (one row), F = 24*4D*4 (fn, fp32), mixes
+80 B read (post+res) and 96 B written (post+res+pre) per token, each input read once and each
+output written once:
 
   op                  NVLink bytes per rank per direction   HBM bytes per rank
   mhc_pre             0                                     T*(4R + R + 96) + F

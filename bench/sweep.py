@@ -129,7 +129,8 @@ def _probe_tokens(tp: int, D: int) -> int:
 
 
 def _probe_link(bench: Bench, comm, tp: int, D: int, T: int, device, floors: dict) -> None:
-    """Peak link bandwidth: bytes received per rank / time of an all-gather of [T, D] bf16."""
+    """Peak link bandwidth: bytes received per rank / time of an all-gather of [T, D] bf16, by the LSA
+    ``sp_all_gather`` (when the backend is lsa) and by torch.distributed's all-gather."""
     x_local = torch.randn((T // tp, D), device=device).to(torch.bfloat16)
     variants = {}
     if comm.backend == "lsa":
@@ -140,7 +141,9 @@ def _probe_link(bench: Bench, comm, tp: int, D: int, T: int, device, floors: dic
     times, errors = bench.measure(variants, 1, graph=False)
     received = (tp - 1) / tp * T * D * 2
     bws = {k: received / t / 1e3 for k, t in times.items()}
-    pick = next(iter(bws), None)  # the LSA probe when it ran, else the NCCL (or gloo) all-gather
+    # Peak = the faster probe: sp_all_gather also stages x_local twice locally, so on a bad day NCCL's
+    # all-gather can pull faster, and a floor must never be set by the slower of two ways to move bytes.
+    pick = max(bws, key=bws.get, default=None)
     floors["link_GBps"][str(tp)] = bws.get(pick)
     floors["link_probe"][str(tp)] = {"used": pick, "T": T, "D": D, "GBps": bws, "errors": errors}
 
