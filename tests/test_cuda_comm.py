@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
-from test_cuda_local import expected_layer_input
+from test_cuda_local import expected_layer_input, post_slack
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
@@ -59,16 +59,13 @@ def _check_case(comm, T, D, seed, zero_copy):
     # TP boundary: every rank mixes all T rows.
     got = ops.mhc_post_pre_ar(partial, stream, post_mix, res_mix, *pre_args, pmi, *eps, comm.handle)
     new_stream = ref.mhc_post(y, stream, post_mix, res_mix, compute_dtype=f64)
-    conftest.assert_bf16_close(got[0], new_stream, f"TP new_stream T={T}")
+    new_slack = post_slack(y, stream, post_mix, res_mix)
+    conftest.assert_bf16_close(got[0], new_stream, f"TP new_stream T={T}", slack=new_slack)
     want = ref.mhc_pre(got[0], *pre_args, pmi, compute_dtype=f64)
     for g_, w_, n in zip(got[2:], want[1:], ("post", "res", "pre"), strict=True):
         conftest.assert_mix_close(g_, w_, f"TP {n} T={T}", atol=MIX_ATOL)
-    conftest.assert_bf16_close(
-        got[1],
-        expected_layer_input(got[0], got[4], pmi, site["norm_weight"]),
-        f"TP layer_input T={T}",
-        ulps=2,
-    )
+    expected, slack = expected_layer_input(got[0], got[4], pmi, site["norm_weight"])
+    conftest.assert_bf16_close(got[1], expected, f"TP layer_input T={T}", ulps=2, slack=slack)
     # Replicas must be bitwise identical (fixed summation order on every rank).
     for t in got:
         gathered = [torch.empty_like(t) for _ in range(tp)]
@@ -90,7 +87,7 @@ def _check_case(comm, T, D, seed, zero_copy):
     sp = ops.mhc_post_pre_rs_ag(
         partial, shard(stream), shard(post_mix), shard(res_mix), *pre_args, shard(pmi), *eps, comm.handle
     )
-    conftest.assert_bf16_close(sp[0], new_stream[rows].to(torch.bfloat16), f"SP new_stream T={T}")
+    conftest.assert_bf16_close(sp[0], new_stream[rows], f"SP new_stream T={T}", slack=new_slack[rows])
     # Same math as TP on the same rows: SP gathered must equal TP up to bf16 flips.
     conftest.assert_bf16_close(sp[1], tp_out[1], f"SP layer_input vs TP T={T}", ulps=2)
     for g_, w_, nm in zip(sp[2:], tp_out[2:], ("post", "res", "pre"), strict=True):
@@ -152,15 +149,13 @@ def _odd_tokens_worker(rank, world_size):
         stream_full = ops.sp_all_gather(got[0], T, comm.handle)
         y = ref.reduce_partials(partials)
         want = ref.mhc_post(y, stream, post_mix, res_mix, compute_dtype=torch.float64)
-        conftest.assert_bf16_close(stream_full, want, "gathered stream")
-        pre_full = ops.sp_all_gather(got[4], T, comm.handle)
         conftest.assert_bf16_close(
-            got[1][:T],
-            expected_layer_input(stream_full, pre_full, None, site["norm_weight"]),
-            "layer_input",
-            ulps=2,
+            stream_full, want, "gathered stream", slack=post_slack(y, stream, post_mix, res_mix)
         )
-        assert (got[1][T:] == 0).all() or torch.isfinite(got[1][T:]).all()
+        pre_full = ops.sp_all_gather(got[4], T, comm.handle)
+        expected, slack = expected_layer_input(stream_full, pre_full, None, site["norm_weight"])
+        conftest.assert_bf16_close(got[1][:T], expected, "layer_input", ulps=2, slack=slack)
+        assert torch.isfinite(got[1][T:]).all(), "the pad row's layer_input must be finite"
     return True
 
 
@@ -215,7 +210,8 @@ def _graph_and_race_worker(rank, world_size):
         for i in range(0, 1000, 97):
             y = ref.reduce_partials([(p.float() * (1 + (i % 7) / 8)).to(torch.bfloat16) for p in partials])
             want = ref.mhc_post(y, stream, post_mix, res_mix, compute_dtype=torch.float64)
-            conftest.assert_bf16_close(outs[i], want, f"back-to-back call {i}")
+            slack = post_slack(y, stream, post_mix, res_mix)
+            conftest.assert_bf16_close(outs[i], want, f"back-to-back call {i}", slack=slack)
     # A second communicator after the first one closed works.
     with spkernels.Communicator(max_tokens=16, hidden_size=64) as comm2:
         x = torch.full((8, 4), float(rank), device="cuda")

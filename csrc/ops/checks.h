@@ -6,8 +6,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
-#include <sstream>
-#include <vector>
+#include <string>
 
 #include "kernels/mhc_math.cuh"
 
@@ -27,17 +26,22 @@
 
 namespace spk {
 
+inline std::string shape_str(c10::IntArrayRef sizes) {
+  std::string s = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (i) s += ", ";
+    s += sizes[i] < 0 ? std::string("*") : std::to_string(sizes[i]);
+  }
+  return s + "]";
+}
+
 // sizes: expected sizes, -1 where any size goes.
-inline void check_tensor(const char* name, const at::Tensor& t, at::ScalarType dtype, std::vector<int64_t> sizes,
+inline void check_tensor(const char* name, const at::Tensor& t, at::ScalarType dtype, c10::IntArrayRef sizes,
                          const at::Device& device) {
-  std::ostringstream want;
-  want << "[";
-  for (size_t i = 0; i < sizes.size(); ++i) want << (i ? ", " : "") << (sizes[i] < 0 ? "*" : std::to_string(sizes[i]));
-  want << "]";
-  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, " ", want.str(), ", got ", t.scalar_type());
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, " ", shape_str(sizes), ", got ", t.scalar_type());
   bool ok = t.dim() == (int64_t)sizes.size();
   for (size_t i = 0; ok && i < sizes.size(); ++i) ok = sizes[i] < 0 || t.size(i) == sizes[i];
-  TORCH_CHECK(ok, name, " must have shape ", want.str(), ", got ", t.sizes());
+  TORCH_CHECK(ok, name, " must have shape ", shape_str(sizes), ", got ", t.sizes());
   TORCH_CHECK(t.device() == device, name, " must be on ", device, " like the stream, got ", t.device());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
 }
