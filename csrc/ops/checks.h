@@ -7,26 +7,21 @@
 #include <nccl.h>
 
 #include <string>
+#include <type_traits>
 
 #include "kernels/mhc_math.cuh"
 
-#define SPK_CUDA_CHECK(expr)                                                                        \
-  do {                                                                                              \
-    cudaError_t spk_err_ = (expr);                                                                  \
-    TORCH_CHECK(spk_err_ == cudaSuccess, "CUDA error at ", __FILE__, ":", __LINE__, ": ",           \
-                cudaGetErrorString(spk_err_), " (", #expr, ")");                                    \
-  } while (0)
-
-#define SPK_NCCL_CHECK(expr, comm)                                                                  \
-  do {                                                                                              \
-    ncclResult_t spk_res_ = (expr);                                                                 \
-    TORCH_CHECK(spk_res_ == ncclSuccess, "NCCL error at ", __FILE__, ":", __LINE__, ": ",           \
-                ncclGetErrorString(spk_res_), " ", ncclGetLastError(comm), " (", #expr, ")");       \
-  } while (0)
-
 namespace spk {
 
-inline std::string shape_str(c10::IntArrayRef sizes) {
+// Error messages are built without iostreams: c10::str formats numbers through the libstdc++
+// that this library was compiled against, and on the GPU machine that one's numeric facets
+// crashed against the runtime's (SIGSEGV in ostream::_M_insert<long>). A single std::string
+// passes through TORCH_CHECK untouched.
+inline std::string fmt_arg(const char* s) { return s; }
+inline std::string fmt_arg(const std::string& s) { return s; }
+inline std::string fmt_arg(at::ScalarType t) { return c10::toString(t); }
+inline std::string fmt_arg(const at::Device& d) { return d.str(); }
+inline std::string fmt_arg(c10::IntArrayRef sizes) {
   std::string s = "[";
   for (size_t i = 0; i < sizes.size(); ++i) {
     if (i) s += ", ";
@@ -34,29 +29,62 @@ inline std::string shape_str(c10::IntArrayRef sizes) {
   }
   return s + "]";
 }
+template <typename T, typename = std::enable_if_t<std::is_arithmetic_v<T>>>
+inline std::string fmt_arg(T v) {
+  return std::to_string(v);
+}
+template <typename... Args>
+inline std::string fmt(const Args&... args) {
+  std::string out;
+  (out += ... += fmt_arg(args));
+  return out;
+}
+
+}  // namespace spk
+
+#define SPK_CHECK(cond, ...)                                \
+  do {                                                      \
+    if (!(cond)) TORCH_CHECK(false, ::spk::fmt(__VA_ARGS__)); \
+  } while (0)
+
+#define SPK_CUDA_CHECK(expr)                                                                                  \
+  do {                                                                                                        \
+    cudaError_t spk_err_ = (expr);                                                                            \
+    SPK_CHECK(spk_err_ == cudaSuccess, "CUDA error at ", __FILE__, ":", __LINE__, ": ",                       \
+              cudaGetErrorString(spk_err_), " (", #expr, ")");                                                \
+  } while (0)
+
+#define SPK_NCCL_CHECK(expr, comm)                                                                            \
+  do {                                                                                                        \
+    ncclResult_t spk_res_ = (expr);                                                                           \
+    SPK_CHECK(spk_res_ == ncclSuccess, "NCCL error at ", __FILE__, ":", __LINE__, ": ",                       \
+              ncclGetErrorString(spk_res_), " ", ncclGetLastError(comm), " (", #expr, ")");                   \
+  } while (0)
+
+namespace spk {
 
 // sizes: expected sizes, -1 where any size goes.
 inline void check_tensor(const char* name, const at::Tensor& t, at::ScalarType dtype, c10::IntArrayRef sizes,
                          const at::Device& device) {
-  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, " ", shape_str(sizes), ", got ", t.scalar_type());
+  SPK_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, " ", sizes, ", got ", t.scalar_type());
   bool ok = t.dim() == (int64_t)sizes.size();
   for (size_t i = 0; ok && i < sizes.size(); ++i) ok = sizes[i] < 0 || t.size(i) == sizes[i];
-  TORCH_CHECK(ok, name, " must have shape ", shape_str(sizes), ", got ", t.sizes());
-  TORCH_CHECK(t.device() == device, name, " must be on ", device, " like the stream, got ", t.device());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
+  SPK_CHECK(ok, name, " must have shape ", sizes, ", got ", t.sizes());
+  SPK_CHECK(t.device() == device, name, " must be on ", device, " like the stream, got ", t.device());
+  SPK_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
 }
 
 // The stream: bf16 [T, 4, D] on CUDA, D a multiple of 8 up to kMaxHidden.
 inline void check_stream(const at::Tensor& stream) {
-  TORCH_CHECK(stream.is_cuda(), "stream must be a CUDA tensor, got ", stream.device());
-  TORCH_CHECK(stream.dim() == 3, "stream must be bf16 [T, 4, D], got shape ", stream.sizes());
-  TORCH_CHECK(stream.size(1) == kHC, "stream must be [T, 4, D]: the CUDA kernels support hc = 4 only, got hc = ",
+  SPK_CHECK(stream.is_cuda(), "stream must be a CUDA tensor, got ", stream.device());
+  SPK_CHECK(stream.dim() == 3, "stream must be bf16 [T, 4, D], got shape ", stream.sizes());
+  SPK_CHECK(stream.size(1) == kHC, "stream must be [T, 4, D]: the CUDA kernels support hc = 4 only, got hc = ",
               stream.size(1));
   const int64_t D = stream.size(2);
-  TORCH_CHECK(D > 0 && D % 8 == 0 && D <= kMaxHidden, "stream's hidden size D must be a multiple of 8 in [8, ",
+  SPK_CHECK(D > 0 && D % 8 == 0 && D <= kMaxHidden, "stream's hidden size D must be a multiple of 8 in [8, ",
               kMaxHidden, "] on CUDA, got D = ", D);
   check_tensor("stream", stream, at::kBFloat16, {-1, kHC, D}, stream.device());
-  TORCH_CHECK(stream.size(0) <= (int64_t)INT32_MAX / kHC, "stream has too many tokens: ", stream.size(0));
+  SPK_CHECK(stream.size(0) <= (int64_t)INT32_MAX / kHC, "stream has too many tokens: ", stream.size(0));
 }
 
 inline void check_post_args(const at::Tensor& stream, const at::Tensor& post_mix, const at::Tensor& res_mix) {
@@ -74,7 +102,7 @@ inline void check_pre_args(const at::Tensor& stream, const at::Tensor& fn, const
   check_tensor("base", base, at::kFloat, {kMix}, stream.device());
   if (norm_weight) check_tensor("norm_weight", *norm_weight, at::kBFloat16, {D}, stream.device());
   if (pre_mix_in) check_tensor("pre_mix_in", *pre_mix_in, at::kFloat, {T, kHC}, stream.device());
-  TORCH_CHECK(sinkhorn_iters >= 1 && sinkhorn_iters <= 1000, "sinkhorn_iters must be in [1, 1000], got ",
+  SPK_CHECK(sinkhorn_iters >= 1 && sinkhorn_iters <= 1000, "sinkhorn_iters must be in [1, 1000], got ",
               sinkhorn_iters);
 }
 

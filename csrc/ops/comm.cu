@@ -29,7 +29,7 @@ int local_max_clusters(int hidden) {
 CommState& get_comm(int64_t handle) {
   std::lock_guard<std::mutex> lock(g_mu);
   auto it = g_comms.find(handle);
-  TORCH_CHECK(it != g_comms.end(), "comm ", handle,
+  SPK_CHECK(it != g_comms.end(), "comm ", handle,
               " is not an open CUDA spkernels.Communicator (closed, never created, or a gloo one)");
   return *it->second;
 }
@@ -45,19 +45,19 @@ std::vector<int64_t> nccl_unique_id() {
 int64_t comm_create(int64_t handle, std::vector<int64_t> unique_id, int64_t rank, int64_t world_size,
                     int64_t device, int64_t max_tokens, int64_t hidden_size, int64_t hc, bool fused) {
   ncclUniqueId id;
-  TORCH_CHECK(unique_id.size() == sizeof(id), "unique_id must have ", sizeof(id), " bytes, got ", unique_id.size());
-  TORCH_CHECK(hc == kHC, "hc must be 4 for a CUDA Communicator (the kernels specialise hc = 4), got ", hc);
-  TORCH_CHECK(hidden_size > 0 && hidden_size % 8 == 0 && hidden_size <= kMaxHidden,
+  SPK_CHECK(unique_id.size() == sizeof(id), "unique_id must have ", sizeof(id), " bytes, got ", unique_id.size());
+  SPK_CHECK(hc == kHC, "hc must be 4 for a CUDA Communicator (the kernels specialise hc = 4), got ", hc);
+  SPK_CHECK(hidden_size > 0 && hidden_size % 8 == 0 && hidden_size <= kMaxHidden,
               "hidden_size must be a multiple of 8 in [8, ", kMaxHidden, "], got ", hidden_size);
-  TORCH_CHECK(max_tokens > 0 && max_tokens <= (1 << 24), "max_tokens must be in [1, 2^24], got ", max_tokens);
+  SPK_CHECK(max_tokens > 0 && max_tokens <= (1 << 24), "max_tokens must be in [1, 2^24], got ", max_tokens);
   for (size_t i = 0; i < sizeof(id); ++i) id.internal[i] = (char)unique_id[i];
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    TORCH_CHECK(!g_comms.count(handle), "comm handle ", handle, " already exists");
+    SPK_CHECK(!g_comms.count(handle), "comm handle ", handle, " already exists");
   }
   int version = 0;
   SPK_NCCL_CHECK(ncclGetVersion(&version), nullptr);
-  TORCH_CHECK(version >= 22800, "spkernels needs NCCL >= 2.28 at run time (device API), got ", version);
+  SPK_CHECK(version >= 22800, "spkernels needs NCCL >= 2.28 at run time (device API), got ", version);
 
   const c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
   auto s = std::make_unique<CommState>();
@@ -107,7 +107,7 @@ void comm_destroy(int64_t handle) {
   {
     std::lock_guard<std::mutex> lock(g_mu);
     auto it = g_comms.find(handle);
-    TORCH_CHECK(it != g_comms.end(), "comm ", handle, " is not an open CUDA spkernels.Communicator");
+    SPK_CHECK(it != g_comms.end(), "comm ", handle, " is not an open CUDA spkernels.Communicator");
     s = std::move(it->second);
     g_comms.erase(it);
   }
@@ -123,7 +123,7 @@ void comm_destroy(int64_t handle) {
 
 at::Tensor comm_partial_buffer(int64_t handle, int64_t num_tokens) {
   CommState& s = get_comm(handle);
-  TORCH_CHECK(num_tokens > 0 && num_tokens <= s.max_tokens, "num_tokens must be in [1, max_tokens = ", s.max_tokens,
+  SPK_CHECK(num_tokens > 0 && num_tokens <= s.max_tokens, "num_tokens must be in [1, max_tokens = ", s.max_tokens,
               "], got ", num_tokens);
   auto opts = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA, s.device);
   return at::from_blob(s.buffer, {num_tokens, s.hidden}, opts);

@@ -11,15 +11,15 @@ namespace {
 
 CommState& comm_for(int64_t handle, const Tensor& t, int64_t num_tokens) {
   CommState& c = get_comm(handle);
-  TORCH_CHECK(t.is_cuda() && t.get_device() == c.device, "comm ", handle, " lives on cuda:", c.device,
+  SPK_CHECK(t.is_cuda() && t.get_device() == c.device, "comm ", handle, " lives on cuda:", c.device,
               ", got tensors on ", t.device());
-  TORCH_CHECK(num_tokens <= c.max_tokens, "T = ", num_tokens,
+  SPK_CHECK(num_tokens <= c.max_tokens, "T = ", num_tokens,
               " tokens is above the communicator's capacity max_tokens = ", c.max_tokens);
   return c;
 }
 
 void check_hidden(const CommState& c, const Tensor& stream) {
-  TORCH_CHECK(stream.size(2) == c.hidden, "stream's hidden size ", stream.size(2),
+  SPK_CHECK(stream.size(2) == c.hidden, "stream's hidden size ", stream.size(2),
               " differs from the communicator's hidden_size ", c.hidden);
 }
 
@@ -27,7 +27,7 @@ void check_hidden(const CommState& c, const Tensor& stream) {
 void check_sp_partial(const CommState& c, const Tensor& partial, const Tensor& stream) {
   const int64_t T = stream.size(0) * c.world;
   check_tensor("partial", partial, at::kBFloat16, {-1, stream.size(2)}, stream.device());
-  TORCH_CHECK(partial.size(0) == T, "partial must be [T, D] with T = tp * T_local = ", c.world, " * ",
+  SPK_CHECK(partial.size(0) == T, "partial must be [T, D] with T = tp * T_local = ", c.world, " * ",
               stream.size(0), " = ", T, " (pad T to a multiple of tp), got ", partial.sizes());
 }
 
@@ -147,12 +147,12 @@ PostPreOut mhc_post_pre_rs_ag_cuda(const Tensor& partial, const Tensor& stream, 
 }
 
 Tensor sp_all_gather_cuda(const Tensor& x_local, int64_t num_tokens, int64_t comm) {
-  TORCH_CHECK(x_local.is_cuda() && x_local.dim() >= 1, "x_local must be a CUDA tensor [T_local, ...], got ",
+  SPK_CHECK(x_local.is_cuda() && x_local.dim() >= 1, "x_local must be a CUDA tensor [T_local, ...], got ",
               x_local.sizes(), " on ", x_local.device());
-  TORCH_CHECK(x_local.is_contiguous(), "x_local must be contiguous, got strides ", x_local.strides());
+  SPK_CHECK(x_local.is_contiguous(), "x_local must be contiguous, got strides ", x_local.strides());
   CommState& c = comm_for(comm, x_local, x_local.size(0) * get_comm(comm).world);
   const int64_t T = x_local.size(0) * c.world;
-  TORCH_CHECK(num_tokens >= 0 && num_tokens <= T, "num_tokens must be in [0, tp * T_local = ", T, "], got ",
+  SPK_CHECK(num_tokens >= 0 && num_tokens <= T, "num_tokens must be in [0, tp * T_local = ", T, "], got ",
               num_tokens);
   const c10::cuda::CUDAGuard guard(x_local.device());
   std::vector<int64_t> sizes = x_local.sizes().vec();
