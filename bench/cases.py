@@ -362,7 +362,7 @@ def count_wrong(out, expected) -> int:
             wrong += b.numel()
             continue
         tol = 5e-2 if b.dtype == torch.bfloat16 else 1e-2
-        a, b = a.double(), b.double()
+        a, b = a.float(), b.float()  # exact for bf16; half the memory of fp64 at T = 16384, D = 7168
         bad = ~torch.isfinite(a) | ((a - b).abs() > tol + tol * b.abs())
         wrong += int(bad.sum())
     return wrong

@@ -80,6 +80,11 @@ def _entry(local_rank, nprocs, port, backend, worker, args) -> None:
         worker(args)
     finally:
         dist.destroy_process_group()
+    # Done and reported: skip interpreter teardown, where a rank occasionally aborted in C++ static
+    # destruction ("terminate called without an active exception") after its peer had exited.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---------------------------------------------------------------- timing

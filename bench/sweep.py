@@ -85,6 +85,8 @@ def worker(args) -> None:
             params[D] = cases.make_params(D, device)
         _run_shape(args, suite, suite_ops[suite], T, D, tp, bench, group, comm, params[D], modes, records)
         progress.step(f"{suite} T={T} D={D} tp={tp}")
+        if rank == 0:  # keep what is measured if the run is cut short (the GPU lease has a hard limit)
+            _save(args, records, floors, time.time() - t_start)
 
     if args.cuda:  # compile each reference once per D, before anything is timed
         for D in sorted({D for _, D in shapes} & set(_ints(args.compile_D))):
@@ -223,7 +225,8 @@ def _check(op, ctx, bench: Bench):
     return wrong, errors
 
 
-def _finish(args, records: list[dict], floors: dict, elapsed: float) -> None:
+def _save(args, records: list[dict], floors: dict, elapsed: float, done: bool = False):
+    """Write <name>.json from the records so far; -> (rows, crossover)."""
     import report
 
     out = Path(args.out)
@@ -231,8 +234,18 @@ def _finish(args, records: list[dict], floors: dict, elapsed: float) -> None:
     rows = report.make_rows(records, floors)
     cross = report.crossover(rows)
     config = {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | type(None))}
-    config["elapsed_s"] = round(elapsed, 1)
-    report.write_json(out / f"{args.name}.json", machine_info(args.commit), floors, config, rows, cross)
+    config.update(elapsed_s=round(elapsed, 1), complete=done)
+    if not hasattr(args, "machine"):
+        args.machine = machine_info(args.commit)
+    report.write_json(out / f"{args.name}.json", args.machine, floors, config, rows, cross)
+    return rows, cross
+
+
+def _finish(args, records: list[dict], floors: dict, elapsed: float) -> None:
+    import report
+
+    out = Path(args.out)
+    rows, cross = _save(args, records, floors, elapsed, done=True)
     (out / f"{args.name}.txt").write_text(report.format_table(rows) + "\n")
     if args.write_crossover:
         _write_crossover_table(cross)

@@ -25,6 +25,6 @@ if [[ $what == test || $what == all ]]; then
   echo "pytest rc=$rc"
 fi
 if [[ $what == bench || $what == all ]]; then
-  timeout 900 python3 bench/collectives.py --quick --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
+  timeout ${BENCH_TIMEOUT:-420} python3 bench/collectives.py ${BENCH_ARGS:---quick} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
 exit $rc
