@@ -32,7 +32,7 @@ def test_cpu_sweep_end_to_end(tmp_path):
         "smoke",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
     doc = json.loads((tmp_path / "smoke.json").read_text())
     assert MACHINE_KEYS <= set(doc["machine"])
     rows = doc["rows"]
