@@ -1,13 +1,24 @@
 #pragma once
 // Host side of the tile kernel (torch-free): the launch plan, a function of the shapes (and of
 // a rank-agreed cluster cap for the fused ops) only, so every rank launches the same grid.
+#include <cstdio>
+#include <cstdlib>
+#include <map>
 #include <mutex>
 #include <tuple>
-#include <map>
 
 #include "kernels/mhc_tile.cuh"
 
 namespace spk {
+
+// SPK_DEBUG=1 prints every tile-kernel launch plan to stderr.
+inline bool debug_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("SPK_DEBUG");
+    return v != nullptr && v[0] != '\0' && v[0] != '0';
+  }();
+  return on;
+}
 
 // CTAs per cluster: each owns hidden / cs columns; 16 (non-portable, Hopper) at DeepSeek sizes.
 inline int tile_cluster_size(int hidden) {
@@ -17,7 +28,6 @@ inline int tile_cluster_size(int hidden) {
 
 struct TilePlan {
   int cs = 1, gpw = 1, clusters = 0;
-  int stage_fn = 0;
   size_t smem = 0;
   const void* kernel = nullptr;
 };
@@ -83,10 +93,7 @@ inline cudaError_t plan_tiles(int num_tokens, int hidden, int max_clusters, Tile
   // D <= kMaxHidden keeps every slice within 2 groups per warp.
   p.gpw = gmax <= kWarps ? 1 : 2;
   p.kernel = tile_kernel_ptr<kSrc, kPost, kPre, kHead, kGather>(p.gpw);
-  // Staging fn in shared memory pays off once a CTA sees several tiles; the cap is computed
-  // with staging on so that it holds for every T.
-  const size_t fn_bytes = kPre ? tile_fn_smem_bytes<kHead>(hidden, p.cs) : 0;
-  p.smem = fn_bytes;
+  p.smem = kPre ? tile_fn_smem_bytes<kHead>(hidden, p.cs) : 0;
   if (max_clusters <= 0) {
     cudaError_t e = tile_max_clusters(p, &max_clusters);
     if (e != cudaSuccess) return e;
@@ -94,8 +101,6 @@ inline cudaError_t plan_tiles(int num_tokens, int hidden, int max_clusters, Tile
   }
   const int num_tiles = (num_tokens + kTileTokens - 1) / kTileTokens;
   p.clusters = num_tiles < max_clusters ? num_tiles : max_clusters;
-  p.stage_fn = kPre && num_tiles > p.clusters;
-  p.smem = p.stage_fn ? fn_bytes : 0;
   *plan = p;
   return cudaSuccess;
 }
@@ -104,8 +109,10 @@ inline cudaError_t launch_tiles(const TilePlan& p, const TileArgs& args, cudaStr
   if (p.clusters == 0) return cudaSuccess;
   cudaError_t e = prepare_tile_kernel(p);
   if (e != cudaSuccess) return e;
+  if (debug_enabled())
+    std::fprintf(stderr, "spkernels: tile kernel %p T=%d D=%d cs=%d gpw=%d clusters=%d smem=%zu\n", p.kernel,
+                 args.num_tokens, args.hidden, p.cs, p.gpw, p.clusters, p.smem);
   TileArgs a = args;
-  a.stage_fn = p.stage_fn;
   cudaLaunchAttribute attr;
   cudaLaunchConfig_t cfg = tile_config(p, p.clusters, stream, &attr);
   void* params[] = {&a};

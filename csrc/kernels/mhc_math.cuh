@@ -15,6 +15,7 @@ constexpr int kTileTokens = 16;           // tokens per tile = the M of mma.m16n
 constexpr int kThreads = 256;             // threads per CTA
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxCluster = 16;           // CTAs per cluster: one column slice of D each
+constexpr int kMaxPeers = 8;              // LSA ranks the fused kernels sum over (one NVLink node)
 constexpr int kMaxHidden = 8192;          // D limit: the fn slice of a CTA must fit in shared memory
 
 struct MhcEps {
@@ -97,19 +98,25 @@ __device__ __forceinline__ void mhc_coefficients_quad(const float* m, float r, c
     c[j] = expf(c[j] - mx);
     s += c[j];
   }
+  const float inv_s = 1.0f / s;
 #pragma unroll
-  for (int j = 0; j < kHC; ++j) c[j] = c[j] / s + eps.hc_eps;
-  // One column normalisation, then (iters - 1) x (rows, then columns).
+  for (int j = 0; j < kHC; ++j) c[j] = c[j] * inv_s + eps.hc_eps;
+  // One column normalisation, then (iters - 1) x (rows, then columns). One reciprocal per sum
+  // and multiplies (within an ulp of dividing): the loop is latency-bound on 64 threads.
   for (int it = 0; it < eps.sinkhorn_iters; ++it) {
     if (it > 0) {
       float rs = 0.f;
 #pragma unroll
       for (int j = 0; j < kHC; ++j) rs += c[j];
+      const float inv = 1.0f / (rs + eps.hc_eps);
 #pragma unroll
-      for (int j = 0; j < kHC; ++j) c[j] = c[j] / (rs + eps.hc_eps);
+      for (int j = 0; j < kHC; ++j) c[j] *= inv;
     }
+    float cs[kHC];
 #pragma unroll
-    for (int j = 0; j < kHC; ++j) c[j] = c[j] / (quad_sum(c[j]) + eps.hc_eps);
+    for (int j = 0; j < kHC; ++j) cs[j] = quad_sum(c[j]);
+#pragma unroll
+    for (int j = 0; j < kHC; ++j) c[j] *= 1.0f / (cs[j] + eps.hc_eps);
   }
 #pragma unroll
   for (int j = 0; j < kHC; ++j) coef[2 * kHC + i * kHC + j] = c[j];

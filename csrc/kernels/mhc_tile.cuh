@@ -53,7 +53,6 @@ struct TileArgs {
   float* post_mix;             // [num_tokens, 4]
   float* res_mix;              // [num_tokens, 4, 4]
   float* pre_mix;              // [num_tokens, 4]
-  int stage_fn;                // 1: keep the CTA's fn slice in shared memory across its tiles
   LsaArgs lsa;
 };
 
@@ -74,24 +73,48 @@ __host__ __device__ inline size_t tile_fn_smem_bytes(int hidden, int cs) {
   return (size_t)kHC * tile_groups(hidden, cs) * 2 * FnRows<kHead>::kRows * 4 * sizeof(uint4);
 }
 
-// B fragment of mma.m16n8k16 for fn row n, stream i, vector (grp * 4 + t) of the CTA's slice,
-// k-step s: elements 4s..4s+3 of the vector, as bf16 hi and lo pairs. The k order inside a
-// 16-wide step is permuted (thread t owns 4 contiguous elements) identically for A and B, so
-// the product is unchanged and both operands load as plain vectors.
+// The CTA's fn slice as mma B fragments in shared memory, split into bf16 hi and lo. Entry
+// (((i * gmax + grp) * 2 + s) * kRows + n) * 4 + t holds, for fn row n and stream i, elements
+// 4s..4s+3 of vector (grp * 4 + t) of the slice as {hi01, hi23, lo01, lo23}. The k order inside
+// a 16-wide mma step is permuted (thread t owns 4 contiguous elements) identically for A and B,
+// so the product is unchanged and both operands load as plain vectors. Loaded once per kernel,
+// before the entry barrier, so that its latency hides behind the peers' arrival.
 template <bool kHead>
-__device__ __forceinline__ void load_fn_fragment(const TileArgs& a, const uint4* s_fn, bool staged, int gmax,
-                                                 int v0, int W, int i, int grp, int s, int n, int t, uint4& q) {
-  if (staged) {
-    q = s_fn[(((i * gmax + grp) * 2 + s) * FnRows<kHead>::kRows + n) * 4 + t];
-    return;
+__device__ __forceinline__ void stage_fn_slice(const TileArgs& a) {
+  constexpr int kRows = FnRows<kHead>::kRows;
+  extern __shared__ __align__(16) uint4 s_fn[];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int cs = (int)cluster.num_blocks(), crank = (int)cluster.block_rank();
+  const int nvec = a.hidden >> 3, v0 = crank * nvec / cs, W = (crank + 1) * nvec / cs - v0;
+  const int gmax = tile_groups(a.hidden, cs);
+  const int entries = kHC * gmax * 2 * kRows * 4;
+#pragma unroll 8
+  for (int e = threadIdx.x; e < entries; e += kThreads) {
+    const int t = e & 3, n = (e >> 2) % kRows, rest = (e >> 2) / kRows;
+    const int s = rest & 1, grp = (rest >> 1) % gmax, i = (rest >> 1) / gmax;
+    const int vec = grp * 4 + t;
+    float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (n < FnRows<kHead>::kValid && vec < W)
+      f = *reinterpret_cast<const float4*>(a.fn + (size_t)n * kHC * a.hidden + (size_t)i * a.hidden +
+                                           (size_t)(v0 + vec) * 8 + 4 * s);
+    uint4 q;
+    split_bf16x2(f.x, f.y, q.x, q.z);
+    split_bf16x2(f.z, f.w, q.y, q.w);
+    s_fn[e] = q;
   }
-  const int vec = grp * 4 + t;
-  float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (n < FnRows<kHead>::kValid && vec < W)
-    f = *reinterpret_cast<const float4*>(a.fn + (size_t)n * kHC * a.hidden + (size_t)i * a.hidden +
-                                         (size_t)(v0 + vec) * 8 + 4 * s);
-  split_bf16x2(f.x, f.y, q.x, q.z);
-  split_bf16x2(f.z, f.w, q.y, q.w);
+  __syncthreads();
+}
+
+// Sum of `v` over the cluster's CTAs in rank order (every CTA gets the same bits). The remote
+// loads are independent and issued together: one distributed-shared-memory latency, not cs.
+__device__ __forceinline__ float cluster_sum(cg::cluster_group& cluster, float* local, int idx, int cs) {
+  float v[kMaxCluster];
+#pragma unroll
+  for (int r = 0; r < kMaxCluster; ++r) v[r] = r < cs ? cluster.map_shared_rank(local, r)[idx] : 0.f;
+  float acc = 0.f;
+#pragma unroll
+  for (int r = 0; r < kMaxCluster; ++r) acc += v[r];
+  return acc;
 }
 
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kGather, int kGPW>
@@ -99,14 +122,14 @@ __device__ __forceinline__ void mhc_tiles(const TileArgs& a) {
   constexpr int kRows = FnRows<kHead>::kRows;
   constexpr int kNT = kRows / 8;
   extern __shared__ __align__(16) uint4 s_fn[];
-  __shared__ float s_red[kWarps][kTileTokens][kRows];  // per-warp partial products
-  __shared__ float s_redsq[kWarps][kTileTokens];       // per-warp partial sums of squares
-  __shared__ float s_cta[2][kTileTokens][kRows + 1];   // CTA partials, read by the whole cluster
-  __shared__ float s_ycta[2][kTileTokens];             // CTA partial sum of y^2 (fused norm)
-  __shared__ float s_m[kTileTokens][kRows + 1];        // cluster totals: m | sum x^2
-  __shared__ float s_coef[kTileTokens][kMix];          // pre | post | res, or the head weights
-  __shared__ float s_mixin[kTileTokens][kMix - kHC];   // incoming post | res of the tile
-  __shared__ float s_pmi[kTileTokens][kHC];            // pre_mix_in of the tile
+  __shared__ float s_red[kWarps / 2][kTileTokens][kRows];  // warp partial products, in two rounds
+  __shared__ float s_redsq[kWarps][kTileTokens];           // per-warp partial sums of squares
+  __shared__ float s_cta[2][kTileTokens][kRows + 1];       // CTA partials, read by the whole cluster
+  __shared__ float s_ycta[2][kTileTokens];                 // CTA partial sum of y^2 (fused norm)
+  __shared__ float s_m[kTileTokens][kRows + 1];            // cluster totals: m | sum x^2
+  __shared__ float s_coef[kTileTokens][kMix];              // pre | post | res, or the head weights
+  __shared__ float s_mixin[kTileTokens][kMix - kHC];       // incoming post | res of the tile
+  __shared__ float s_pmi[kTileTokens][kHC];                // pre_mix_in of the tile
   __shared__ float s_rnorm[kTileTokens];
 
   cg::cluster_group cluster = cg::this_cluster();
@@ -119,19 +142,25 @@ __device__ __forceinline__ void mhc_tiles(const TileArgs& a) {
   const int num_tiles = (T + kTileTokens - 1) / kTileTokens;
   const size_t srow = (size_t)kHC * D;
 
-  if (kPre && a.stage_fn) {
-    const int entries = kHC * gmax * 2 * kRows * 4;
-    for (int e = tid; e < entries; e += kThreads) {
-      const int tt = e & 3, n = (e >> 2) % kRows, rest = (e >> 2) / kRows;
-      const int s = rest & 1, grp = (rest >> 1) % gmax, i = (rest >> 1) / gmax;
-      uint4 q;
-      load_fn_fragment<kHead>(a, nullptr, false, gmax, v0, W, i, grp, s, n, tt, q);
-      s_fn[e] = q;
-    }
-  }
-
   for (int tile = cluster_id, it = 0; tile < num_tiles; tile += num_clusters, ++it) {
     const int buf = it & 1, row_base = tile * kTileTokens;
+
+    // ---- A: issue every stream load of the tile first; x[gi][h][i] = token g + 8h, stream i.
+    uint4 x[kGPW][2][kHC];
+#pragma unroll
+    for (int gi = 0; gi < kGPW; ++gi) {
+      const int vec = (warp + gi * kWarps) * 4 + t;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row_base + g + 8 * h;
+        const bool valid = vec < W && row < T;
+#pragma unroll
+        for (int i = 0; i < kHC; ++i)
+          x[gi][h][i] = valid ? *reinterpret_cast<const uint4*>(a.stream + row * srow + (size_t)i * D +
+                                                                 (size_t)(v0 + vec) * 8)
+                              : make_uint4(0, 0, 0, 0);
+      }
+    }
     __syncthreads();  // the previous tile's readers of s_coef / s_mixin / s_pmi are done
     if constexpr (kPost) {
       for (int idx = tid; idx < kTileTokens * (kMix - kHC); idx += kThreads) {
@@ -149,34 +178,38 @@ __device__ __forceinline__ void mhc_tiles(const TileArgs& a) {
     }
     __syncthreads();
 
-    // ---- A: load (and post-mix) the stream slice; x[gi][h][i] = token g + 8h, stream i.
-    uint4 x[kGPW][2][kHC];
-    float sq[2] = {0.f, 0.f};
+    if constexpr (kPost) {
 #pragma unroll
-    for (int gi = 0; gi < kGPW; ++gi) {
-      const int vec = (warp + gi * kWarps) * 4 + t;
-      const size_t col = (size_t)(v0 + vec) * 8;
+      for (int gi = 0; gi < kGPW; ++gi) {
+        const int vec = (warp + gi * kWarps) * 4 + t;
+        const size_t col = (size_t)(v0 + vec) * 8;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int tok = g + 8 * h, row = row_base + tok;
-        const bool valid = vec < W && row < T;
-#pragma unroll
-        for (int i = 0; i < kHC; ++i)
-          x[gi][h][i] = valid ? *reinterpret_cast<const uint4*>(a.stream + row * srow + (size_t)i * D + col)
-                              : make_uint4(0, 0, 0, 0);
-        if constexpr (kPost) {
+        for (int h = 0; h < 2; ++h) {
+          const int tok = g + 8 * h, row = row_base + tok;
+          const bool valid = vec < W && row < T;
           float yv[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
           if (valid) {
             if constexpr (kSrc == YSrc::kPeers) {
               // Sum every rank's partial row in rank order 0..tp-1 (the same order on every
               // rank), round to bf16 like the reference reduction, then mix.
               const size_t off = a.lsa.partial_offset + ((size_t)(a.lsa.partial_row0 + row) * D + col) * 2;
-              for (int p = 0; p < a.lsa.world; ++p) {
-                const uint4 v = *reinterpret_cast<const uint4*>(ncclGetLsaPointer(a.lsa.window, off, p));
-                float f[8];
-                bf16x8_to_float(v, f);
+              // Four peers' loads in flight at a time (fewer registers than all kMaxPeers).
 #pragma unroll
-                for (int e = 0; e < 8; ++e) yv[e] += f[e];
+              for (int p0 = 0; p0 < kMaxPeers; p0 += 4) {
+                if (p0 >= a.lsa.world) break;
+                uint4 pv[4];
+#pragma unroll
+                for (int k = 0; k < 4; ++k)
+                  if (p0 + k < a.lsa.world)
+                    pv[k] = *reinterpret_cast<const uint4*>(ncclGetLsaPointer(a.lsa.window, off, p0 + k));
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                  if (p0 + k >= a.lsa.world) break;
+                  float f[8];
+                  bf16x8_to_float(pv[k], f);
+#pragma unroll
+                  for (int e = 0; e < 8; ++e) yv[e] += f[e];
+                }
               }
               bf16x8_to_float(float_to_bf16x8(yv), yv);
             } else {
@@ -201,7 +234,16 @@ __device__ __forceinline__ void mhc_tiles(const TileArgs& a) {
             if (valid) *reinterpret_cast<uint4*>(a.new_stream + row * srow + (size_t)j * D + col) = x[gi][h][j];
           }
         }
-        if constexpr (kPre) {
+      }
+    }
+
+    if constexpr (kPre) {
+      // ---- B: m = fn · x on tensor cores, reduced warp -> CTA -> cluster in fixed order.
+      float sq[2] = {0.f, 0.f};
+#pragma unroll
+      for (int gi = 0; gi < kGPW; ++gi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
 #pragma unroll
           for (int i = 0; i < kHC; ++i) {
             float f[8];
@@ -209,61 +251,73 @@ __device__ __forceinline__ void mhc_tiles(const TileArgs& a) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) sq[h] += f[e] * f[e];
           }
-        }
-      }
-    }
-    if constexpr (kPre) {
-
-      // ---- B: m = fn · x on tensor cores, reduced warp -> CTA -> cluster in fixed order.
       float acc[kNT][4];
-  #pragma unroll
+#pragma unroll
       for (int nt = 0; nt < kNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-  #pragma unroll
+#pragma unroll
       for (int gi = 0; gi < kGPW; ++gi) {
         const int grp = warp + gi * kWarps;
         if (grp >= gmax) continue;  // warp-uniform
-  #pragma unroll
+#pragma unroll
         for (int i = 0; i < kHC; ++i) {
-  #pragma unroll
+          uint4 q[2][kNT];
+#pragma unroll
+          for (int s = 0; s < 2; ++s)
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt) q[s][nt] = s_fn[(((i * gmax + grp) * 2 + s) * kRows + nt * 8 + g) * 4 + t];
+#pragma unroll
           for (int s = 0; s < 2; ++s) {
             const uint32_t a0 = word_of(x[gi][0][i], 2 * s), a1 = word_of(x[gi][1][i], 2 * s);
             const uint32_t a2 = word_of(x[gi][0][i], 2 * s + 1), a3 = word_of(x[gi][1][i], 2 * s + 1);
-  #pragma unroll
+#pragma unroll
             for (int nt = 0; nt < kNT; ++nt) {
-              uint4 q;
-              load_fn_fragment<kHead>(a, s_fn, a.stage_fn, gmax, v0, W, i, grp, s, nt * 8 + g, t, q);
-              mma_bf16_16816(acc[nt], a0, a1, a2, a3, q.x, q.y);  // hi
-              mma_bf16_16816(acc[nt], a0, a1, a2, a3, q.z, q.w);  // lo
+              mma_bf16_16816(acc[nt], a0, a1, a2, a3, q[s][nt].x, q[s][nt].y);  // hi
+              mma_bf16_16816(acc[nt], a0, a1, a2, a3, q[s][nt].z, q[s][nt].w);  // lo
             }
           }
         }
       }
-  #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        s_red[warp][g][nt * 8 + 2 * t] = acc[nt][0];
-        s_red[warp][g][nt * 8 + 2 * t + 1] = acc[nt][1];
-        s_red[warp][g + 8][nt * 8 + 2 * t] = acc[nt][2];
-        s_red[warp][g + 8][nt * 8 + 2 * t + 1] = acc[nt][3];
+      // Warps 4..7 write, then warps 0..3 add: half the buffer (two CTAs fit on an SM at D=4096).
+      if (warp >= kWarps / 2) {
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+          s_red[warp - kWarps / 2][g][nt * 8 + 2 * t] = acc[nt][0];
+          s_red[warp - kWarps / 2][g][nt * 8 + 2 * t + 1] = acc[nt][1];
+          s_red[warp - kWarps / 2][g + 8][nt * 8 + 2 * t] = acc[nt][2];
+          s_red[warp - kWarps / 2][g + 8][nt * 8 + 2 * t + 1] = acc[nt][3];
+        }
       }
-  #pragma unroll
+#pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float q = quad_sum(sq[h]);
         if (t == 0) s_redsq[warp][g + 8 * h] = q;
       }
       __syncthreads();
+      if (warp < kWarps / 2) {
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+          s_red[warp][g][nt * 8 + 2 * t] += acc[nt][0];
+          s_red[warp][g][nt * 8 + 2 * t + 1] += acc[nt][1];
+          s_red[warp][g + 8][nt * 8 + 2 * t] += acc[nt][2];
+          s_red[warp][g + 8][nt * 8 + 2 * t + 1] += acc[nt][3];
+        }
+      }
+      __syncthreads();
       for (int idx = tid; idx < kTileTokens * (kRows + 1); idx += kThreads) {
         const int tok = idx / (kRows + 1), n = idx % (kRows + 1);
         float v = 0.f;
-  #pragma unroll
-        for (int w = 0; w < kWarps; ++w) v += n < kRows ? s_red[w][tok][n] : s_redsq[w][tok];
+        if (n < kRows) {
+#pragma unroll
+          for (int w = 0; w < kWarps / 2; ++w) v += s_red[w][tok][n];
+        } else {
+#pragma unroll
+          for (int w = 0; w < kWarps; ++w) v += s_redsq[w][tok];
+        }
         s_cta[buf][tok][n] = v;
       }
       cluster.sync();  // release this CTA's partials to the cluster, acquire the others'
-      for (int idx = tid; idx < kTileTokens * (kRows + 1); idx += kThreads) {
-        float v = 0.f;
-        for (int r = 0; r < cs; ++r) v += cluster.map_shared_rank(&s_cta[buf][0][0], r)[idx];
-        (&s_m[0][0])[idx] = v;
-      }
+      for (int idx = tid; idx < kTileTokens * (kRows + 1); idx += kThreads)
+        (&s_m[0][0])[idx] = cluster_sum(cluster, &s_cta[buf][0][0], idx, cs);
       __syncthreads();
 
       // ---- C: coefficients, a quad of lanes per token.
@@ -277,7 +331,7 @@ __device__ __forceinline__ void mhc_tiles(const TileArgs& a) {
           if (crank == 0 && row < T) {
             a.pre_mix[row * kHC + i] = s_coef[tok][i];
             a.post_mix[row * kHC + i] = s_coef[tok][kHC + i];
-  #pragma unroll
+#pragma unroll
             for (int j = 0; j < kHC; ++j)
               a.res_mix[(row * kHC + i) * kHC + j] = s_coef[tok][2 * kHC + i * kHC + j];
           }
@@ -288,30 +342,30 @@ __device__ __forceinline__ void mhc_tiles(const TileArgs& a) {
       // ---- D: collapse with pre (or the carried-in pre_mix_in), fused RMSNorm, store.
       uint4 yb[kGPW][2];
       float ysq[2] = {0.f, 0.f};
-  #pragma unroll
+#pragma unroll
       for (int gi = 0; gi < kGPW; ++gi) {
-  #pragma unroll
+#pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int tok = g + 8 * h;
           const float* w = (!kHead && a.pre_mix_in != nullptr) ? s_pmi[tok] : s_coef[tok];
           float y[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  #pragma unroll
+#pragma unroll
           for (int i = 0; i < kHC; ++i) {
             float f[8];
             bf16x8_to_float(x[gi][h][i], f);
-  #pragma unroll
+#pragma unroll
             for (int e = 0; e < 8; ++e) y[e] += w[i] * f[e];
           }
           yb[gi][h] = float_to_bf16x8(y);
           if (!kHead && a.norm_weight != nullptr) {
             bf16x8_to_float(yb[gi][h], y);
-  #pragma unroll
+#pragma unroll
             for (int e = 0; e < 8; ++e) ysq[h] += y[e] * y[e];
           }
         }
       }
       if (!kHead && a.norm_weight != nullptr) {
-  #pragma unroll
+#pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float q = quad_sum(ysq[h]);
           if (t == 0) s_redsq[warp][g + 8 * h] = q;
@@ -319,23 +373,22 @@ __device__ __forceinline__ void mhc_tiles(const TileArgs& a) {
         __syncthreads();
         if (tid < kTileTokens) {
           float v = 0.f;
-  #pragma unroll
+#pragma unroll
           for (int w = 0; w < kWarps; ++w) v += s_redsq[w][tid];
           s_ycta[buf][tid] = v;
         }
         cluster.sync();
         if (tid < kTileTokens) {
-          float v = 0.f;
-          for (int r = 0; r < cs; ++r) v += cluster.map_shared_rank(&s_ycta[buf][0], r)[tid];
+          const float v = cluster_sum(cluster, &s_ycta[buf][0], tid, cs);
           s_rnorm[tid] = 1.0f / sqrtf(v / (float)D + a.eps.norm_eps);
         }
         __syncthreads();
       }
-  #pragma unroll
+#pragma unroll
       for (int gi = 0; gi < kGPW; ++gi) {
         const int vec = (warp + gi * kWarps) * 4 + t;
         const size_t col = (size_t)(v0 + vec) * 8;
-  #pragma unroll
+#pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int tok = g + 8 * h, row = row_base + tok;
           if (vec >= W || row >= T) continue;
@@ -344,7 +397,7 @@ __device__ __forceinline__ void mhc_tiles(const TileArgs& a) {
             float y[8], nw[8];
             bf16x8_to_float(out, y);
             bf16x8_to_float(*reinterpret_cast<const uint4*>(a.norm_weight + col), nw);
-  #pragma unroll
+#pragma unroll
             for (int e = 0; e < 8; ++e) y[e] = y[e] * s_rnorm[tok] * nw[e];
             out = float_to_bf16x8(y);
           }
@@ -392,8 +445,11 @@ __device__ __forceinline__ void copy_gathered_rows(const TileArgs& a) {
   }
 }
 
+// Two CTAs per SM where one group of vectors per warp suffices (D <= 4096): one CTA's loads
+// overlap the other's reductions and Sinkhorn.
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kGather, int kGPW>
-__global__ void __launch_bounds__(kThreads, 1) mhc_tile_kernel(const __grid_constant__ TileArgs a) {
+__global__ void __launch_bounds__(kThreads, kGPW == 1 ? 2 : 1) mhc_tile_kernel(const __grid_constant__ TileArgs a) {
+  if constexpr (kPre) stage_fn_slice<kHead>(a);
   if constexpr (kSrc == YSrc::kPeers || kGather) {
     ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), a.lsa.dev_comm, ncclTeamTagLsa(), blockIdx.x};
     // Entry: every peer's partial is written and nobody still reads the buffers we will write.
