@@ -131,6 +131,7 @@ __device__ __forceinline__ void mhc_tiles(const TileArgs& a) {
   __shared__ float s_mixin[kTileTokens][kMix - kHC];       // incoming post | res of the tile
   __shared__ float s_pmi[kTileTokens][kHC];                // pre_mix_in of the tile
   __shared__ float s_rnorm[kTileTokens];
+  __shared__ float s_scale[3], s_base[kMix];  // read by every tile's coefficients: keep them close
 
   cg::cluster_group cluster = cg::this_cluster();
   const int cs = (int)cluster.num_blocks(), crank = (int)cluster.block_rank();
@@ -141,6 +142,10 @@ __device__ __forceinline__ void mhc_tiles(const TileArgs& a) {
   const int gmax = tile_groups(D, cs);
   const int num_tiles = (T + kTileTokens - 1) / kTileTokens;
   const size_t srow = (size_t)kHC * D;
+  if constexpr (kPre) {
+    if (tid < FnRows<kHead>::kValid) s_base[tid] = a.base[tid];
+    if (tid < (kHead ? 1 : 3)) s_scale[tid] = a.scale[tid];
+  }  // published by the __syncthreads at the top of the first tile
 
   for (int tile = cluster_id, it = 0; tile < num_tiles; tile += num_clusters, ++it) {
     const int buf = it & 1, row_base = tile * kTileTokens;
@@ -325,9 +330,9 @@ __device__ __forceinline__ void mhc_tiles(const TileArgs& a) {
         const int tok = tid >> 2, i = tid & 3, row = row_base + tok;
         const float r = 1.0f / sqrtf(s_m[tok][kRows] / (float)(kHC * D) + a.eps.rms_eps);
         if constexpr (kHead) {
-          s_coef[tok][i] = sigmoidf(s_m[tok][i] * r * a.scale[0] + a.base[i]) + a.eps.hc_eps;
+          s_coef[tok][i] = sigmoidf(s_m[tok][i] * r * s_scale[0] + s_base[i]) + a.eps.hc_eps;
         } else {
-          mhc_coefficients_quad(s_m[tok], r, a.scale, a.base, a.eps, i, s_coef[tok]);
+          mhc_coefficients_quad(s_m[tok], r, s_scale, s_base, a.eps, i, s_coef[tok]);
           if (crank == 0 && row < T) {
             a.pre_mix[row * kHC + i] = s_coef[tok][i];
             a.post_mix[row * kHC + i] = s_coef[tok][kHC + i];
