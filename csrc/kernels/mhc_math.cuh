@@ -65,7 +65,11 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint3
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+// The coefficient math is a latency-bound chain on a few warps (20 Sinkhorn sweeps per tile while
+// the other warps wait), so it uses the SFU's approximate exp and reciprocal (~2 ulp each; the
+// mixes' tolerance is 1e-4). Deterministic instructions: replicated ranks still agree bitwise.
+__device__ __forceinline__ float fast_rcp(float x) { return __fdividef(1.0f, x); }
+__device__ __forceinline__ float sigmoidf(float x) { return fast_rcp(1.0f + __expf(-x)); }
 
 // Sum over the 4 lanes of a quad (lanes 4q..4q+3). The butterfly gives every lane the same
 // bits ((a+b)+(c+d) in every lane, by commutativity), which replicated ranks rely on.
@@ -95,20 +99,19 @@ __device__ __forceinline__ void mhc_coefficients_quad(const float* m, float r, c
   float s = 0.f;
 #pragma unroll
   for (int j = 0; j < kHC; ++j) {
-    c[j] = expf(c[j] - mx);
+    c[j] = __expf(c[j] - mx);
     s += c[j];
   }
-  const float inv_s = 1.0f / s;
+  const float inv_s = fast_rcp(s);
 #pragma unroll
   for (int j = 0; j < kHC; ++j) c[j] = c[j] * inv_s + eps.hc_eps;
-  // One column normalisation, then (iters - 1) x (rows, then columns). One reciprocal per sum
-  // and multiplies (within an ulp of dividing): the loop is latency-bound on 64 threads.
+  // One column normalisation, then (iters - 1) x (rows, then columns).
   for (int it = 0; it < eps.sinkhorn_iters; ++it) {
     if (it > 0) {
       float rs = 0.f;
 #pragma unroll
       for (int j = 0; j < kHC; ++j) rs += c[j];
-      const float inv = 1.0f / (rs + eps.hc_eps);
+      const float inv = fast_rcp(rs + eps.hc_eps);
 #pragma unroll
       for (int j = 0; j < kHC; ++j) c[j] *= inv;
     }
@@ -116,7 +119,7 @@ __device__ __forceinline__ void mhc_coefficients_quad(const float* m, float r, c
 #pragma unroll
     for (int j = 0; j < kHC; ++j) cs[j] = quad_sum(c[j]);
 #pragma unroll
-    for (int j = 0; j < kHC; ++j) c[j] *= 1.0f / (cs[j] + eps.hc_eps);
+    for (int j = 0; j < kHC; ++j) c[j] *= fast_rcp(cs[j] + eps.hc_eps);
   }
 #pragma unroll
   for (int j = 0; j < kHC; ++j) coef[2 * kHC + i * kHC + j] = c[j];
