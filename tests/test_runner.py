@@ -33,13 +33,25 @@ def options(**changes) -> RunOptions:
     return dataclasses.replace(BASE, **changes)
 
 
-def run(opts: RunOptions) -> dict:
-    """rank 0's results: in this process for tp = 1, else through run_distributed."""
-    if opts.tp == 1:
-        return worker(0, 1, opts)
-    results = run_distributed(opts.tp, worker, opts, backend="nccl" if opts.device == "cuda" else "gloo")
-    assert all(r is None for r in results[1:])
-    return results[0]
+def run_configs(rank: int, world_size: int, configs: list[RunOptions]) -> list:
+    """Several runs in one process group: one spawn per tp size keeps the suite fast."""
+    return [worker(rank, world_size, opts) for opts in configs]
+
+
+def run_all(cases: dict[str, RunOptions]) -> dict[str, dict]:
+    """rank 0's results per case: tp = 1 in this process, the others through run_distributed."""
+    out = {}
+    for tp in sorted({opts.tp for opts in cases.values()}):
+        names = [name for name, opts in cases.items() if opts.tp == tp]
+        configs = [cases[name] for name in names]
+        if tp == 1:
+            out.update({name: worker(0, 1, opts) for name, opts in zip(names, configs, strict=True)})
+            continue
+        backend = "nccl" if configs[0].device == "cuda" else "gloo"
+        results = run_distributed(tp, run_configs, configs, backend=backend)
+        assert all(r == [None] * len(configs) for r in results[1:])
+        out.update(zip(names, results[0], strict=True))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -80,19 +92,25 @@ def test_reference_shape(reference):
     assert len({tuple(t) for t in reference["tokens"]}) == len(BASE.prompt_lens)  # not a constant model
 
 
-@pytest.mark.parametrize(
-    "tp, changes, modes",
-    [
-        (2, dict(sp_threshold=16), {True, False}),  # prefill (52 tokens) in SP, decode (bucket 8) in TP
-        (2, dict(sp_threshold=None), {False}),
-        (4, dict(sp_threshold=8), {True}),  # decode bucket 8 in SP: rank 3's shard is all padding
-        (2, dict(sp_threshold=8, max_tokens_per_step=12), None),  # chunked prefill, mixed steps
-    ],
-    ids=["tp2-sp", "tp2-nosp", "tp4-sp", "tp2-sp-chunked"],
-)
-def test_matches_one_process(reference, tp, changes, modes):
-    results = run(options(tp=tp, **changes))
-    seen = {use_sp for use_sp, _ in assert_policy_steps(results, options(tp=tp, **changes))}
+# name -> (options, the SP modes its steps must show; None: any, with SP among them)
+CPU_CASES = {
+    "tp2-sp": (options(tp=2, sp_threshold=16), {True, False}),  # prefill (T=52) SP, decode (bucket 8) TP
+    "tp2-nosp": (options(tp=2, sp_threshold=None), {False}),
+    "tp2-sp-chunked": (options(tp=2, sp_threshold=8, max_tokens_per_step=12), None),  # mixed steps
+    "tp4-sp": (options(tp=4, sp_threshold=8), {True}),  # decode bucket 8 in SP: rank 3's shard is padding
+}
+
+
+@pytest.fixture(scope="module")
+def cpu_layouts() -> dict[str, dict]:
+    return run_all({name: opts for name, (opts, _) in CPU_CASES.items()})
+
+
+@pytest.mark.parametrize("name", list(CPU_CASES))
+def test_matches_one_process(reference, cpu_layouts, name):
+    opts, modes = CPU_CASES[name]
+    results = cpu_layouts[name]
+    seen = {use_sp for use_sp, _ in assert_policy_steps(results, opts)}
     if modes is not None:
         assert seen == modes
     else:
@@ -203,22 +221,31 @@ def cuda_reference() -> dict:
     return worker(0, 1, options(device="cuda", tp=1, sp_threshold=None, graphs=False))
 
 
+def gpu_options(**changes) -> RunOptions:
+    return options(device="cuda", check_graphs=True, **changes)
+
+
+# name -> (options, the (use_sp, graph) pairs its steps must show; None: not pinned)
+GPU_CASES = {
+    "tp1-graphs": (gpu_options(tp=1, sp_threshold=None), {(False, False), (False, True)}),
+    "tp2-nosp-graphs": (gpu_options(tp=2, sp_threshold=None), {(False, False), (False, True)}),
+    # prefill eager in SP; the decode bucket 8 >= threshold engages SP inside the captured graph
+    "tp2-sp-in-graph": (gpu_options(tp=2, sp_threshold=8), {(True, False), (True, True)}),
+    "tp2-sp-chunked-graphs": (gpu_options(tp=2, sp_threshold=8, max_tokens_per_step=12), None),
+}
+
+
+@pytest.fixture(scope="module")
+def gpu_layouts() -> dict[str, dict]:
+    return run_all({name: opts for name, (opts, _) in GPU_CASES.items()})
+
+
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize(
-    "tp, changes, expect",
-    [
-        (1, dict(sp_threshold=None), {(False, False), (False, True)}),
-        (2, dict(sp_threshold=None), {(False, False), (False, True)}),
-        # prefill eager in SP; the decode bucket 8 >= threshold engages SP inside the captured graph
-        (2, dict(sp_threshold=8), {(True, False), (True, True)}),
-        (2, dict(sp_threshold=8, max_tokens_per_step=12), None),
-    ],
-    ids=["tp1-graphs", "tp2-nosp-graphs", "tp2-sp-in-graph", "tp2-sp-chunked-graphs"],
-)
-def test_gpu_graphs_match_one_process(cuda_reference, tp, changes, expect):
-    opts = options(device="cuda", tp=tp, check_graphs=True, **changes)
-    results = run(opts)
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_gpu_graphs_match_one_process(cuda_reference, gpu_layouts, name):
+    opts, expect = GPU_CASES[name]
+    results = gpu_layouts[name]
     seen = assert_policy_steps(results, opts)
     if expect is not None:
         assert seen == expect

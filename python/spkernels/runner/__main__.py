@@ -7,10 +7,11 @@ torchrun --nproc-per-node 2 -m spkernels.runner --device cuda --tp 2 --preset v4
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .config import PRESETS
-from .launch import RunOptions, launch
+from .launch import RunOptions, exit_without_teardown, launch
 
 
 def _threshold(text: str):
@@ -137,4 +138,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "WORLD_SIZE" in os.environ:  # a torchrun rank: teardown after a process group may abort
+        exit_without_teardown(code)
+    sys.exit(code)

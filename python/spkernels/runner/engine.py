@@ -180,9 +180,10 @@ class Engine:
         batch, samples = self.build_batch(entries, padded, decode)
         if graph and self.check_graphs:  # eager first: the replay then leaves its own K/V in the cache
             eager = self.model.forward(batch, use_sp)[:num_tokens]
-            replayed = self._replay(batch)[:num_tokens]
-            self.graph_max_diff = max(self.graph_max_diff, (replayed - eager).abs().max().item())
-        logits = self._replay(batch) if graph else self.model.forward(batch, use_sp)
+            logits = self._replay(batch)
+            self.graph_max_diff = max(self.graph_max_diff, (logits[:num_tokens] - eager).abs().max().item())
+        else:
+            logits = self._replay(batch) if graph else self.model.forward(batch, use_sp)
         next_ids = logits.argmax(dim=-1).tolist()
         self._sync()
         seconds = time.perf_counter() - begin

@@ -7,6 +7,7 @@ import dataclasses
 import os
 import resource
 import socket
+import sys
 import tempfile
 from dataclasses import dataclass
 
@@ -317,6 +318,16 @@ def _spawned(rank: int, opts: RunOptions, port: int, out_path: str):
             torch.save(results, out_path)
     finally:
         dist.destroy_process_group()
+    exit_without_teardown(0)
+
+
+def exit_without_teardown(code: int) -> None:
+    """Exit a process that ran a process group, skipping interpreter teardown: with gloo, C++
+    destructors at teardown sporadically abort ("terminate called without an active exception")
+    after all work finished and results were written. Only called on success; errors propagate."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def launch(opts: RunOptions) -> dict:

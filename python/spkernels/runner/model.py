@@ -127,15 +127,16 @@ class Model:
         out = torch.zeros_like(q)  # pad rows attend to nothing
         for row, first, start, count in batch.segments:
             end = start + count
-            query = q[first : first + count].transpose(0, 1)  # [heads, count, hd]
-            keys, values = k_cache[row, :, :end], v_cache[row, :, :end]
+            # 4-D [1, heads, len, hd]: what the fused (flash / memory-efficient) SDPA kernels take
+            query = q[first : first + count].transpose(0, 1).unsqueeze(0)
+            keys, values = k_cache[row : row + 1, :, :end], v_cache[row : row + 1, :, :end]
             if start == 0:
                 res = F.scaled_dot_product_attention(query, keys, values, is_causal=True)
             else:  # a later chunk or a decode token: causal with the cached prefix in front
                 queries = start + torch.arange(count, device=q.device)
                 mask = torch.arange(end, device=q.device) <= queries[:, None]
                 res = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
-            out[first : first + count] = res.transpose(0, 1)
+            out[first : first + count] = res[0].transpose(0, 1)
         return out
 
     def ffn(self, index: int, layer_input: torch.Tensor) -> torch.Tensor:
