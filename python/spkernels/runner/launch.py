@@ -354,7 +354,3 @@ def launch(opts: RunOptions) -> dict:
         out_path = os.path.join(tmp, "results.pt")
         mp.spawn(_spawned, args=(opts, _free_port(), out_path), nprocs=opts.tp, join=True)
         return torch.load(out_path, weights_only=False)
-
-
-def options_replace(opts: RunOptions, **changes) -> RunOptions:
-    return dataclasses.replace(opts, **changes)
