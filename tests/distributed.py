@@ -13,6 +13,7 @@ import datetime
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -66,6 +67,11 @@ def _worker(rank, world_size, port, backend, timeout_s, result_dir, fn, args):
         raise RuntimeError(f"rank {rank}: {type(e).__name__}: {e}") from e
     torch.save(_to_cpu(result), os.path.join(result_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+    # Skip interpreter teardown: gloo worker threads still referenced through the ops' group
+    # handles can abort ("terminate called without an active exception") while Python shuts down.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _child_errors(ctx) -> str:
