@@ -7,6 +7,8 @@ OUT=${OUT:-/tmp/spk_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export MAX_JOBS=${MAX_JOBS:-16}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$OUT/machine.txt" 2>&1
+# At most 8 files come back from $OUT: machine.txt, build.log, pytest_gpu.log, bench.log, the
+# bench's json/png/txt and runner.log.
 start=$(date +%s)
 if ! python3 -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
   tail -60 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
@@ -16,7 +18,7 @@ python3 -c "
 import torch, spkernels, spkernels._library as L
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl runtime', L.runtime_nccl_version(), 'compiled', L.COMPILED_NCCL_VERSION)
 print('ops:', sorted(n for n in torch.ops.spkernels._dir if not n.startswith('_')) if hasattr(torch.ops.spkernels, '_dir') else '')
-" 2>&1 | tee "$OUT/import.log"
+" 2>&1 | tee -a "$OUT/machine.txt"
 rc=0
 if [[ $what == test || $what == all ]]; then
   targets=("$@"); [[ ${#targets[@]} -eq 0 ]] && targets=(tests)
@@ -26,5 +28,15 @@ if [[ $what == test || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
   timeout ${BENCH_TIMEOUT:-420} python3 bench/collectives.py ${BENCH_ARGS:---quick} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
+fi
+if [[ $what == runner || $what == all ]]; then
+  # Issue 6 measurements: prefill with and without SP at 2 x 8k tokens; decode with and without graphs.
+  run() { echo "=== $*" >> "$OUT/runner.log"; timeout 150 python3 -m spkernels.runner --device cuda --tp 2 \
+            --preset v4-flash-like --quiet "$@" >> "$OUT/runner.log" 2>&1; echo "rc=$?" >> "$OUT/runner.log"; }
+  run --prompt-lens 8192,8192 --gen 2 --warmup 1 --sp-threshold 1024
+  run --prompt-lens 8192,8192 --gen 2 --warmup 1 --sp-threshold none
+  run --prompts 16 --prompt-len 64 --gen 32 --warmup 1
+  run --prompts 16 --prompt-len 64 --gen 32 --warmup 1 --no-graphs
+  grep -E "^===|prefill|decode:|peak|rc=|Error" "$OUT/runner.log"
 fi
 exit $rc
