@@ -26,17 +26,17 @@ if [[ $what == test || $what == all ]]; then
   rc=${PIPESTATUS[0]}
   echo "pytest rc=$rc"
 fi
-if [[ $what == bench || $what == all ]]; then
-  timeout ${BENCH_TIMEOUT:-420} python3 bench/collectives.py ${BENCH_ARGS:---quick} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
-fi
 if [[ $what == runner || $what == all ]]; then
   # Issue 6 measurements: prefill with and without SP at 2 x 8k tokens; decode with and without graphs.
-  run() { echo "=== $*" >> "$OUT/runner.log"; timeout 150 python3 -m spkernels.runner --device cuda --tp 2 \
+  run() { echo "=== $*" >> "$OUT/runner.log"; timeout ${RUNNER_TIMEOUT:-90} python3 -m spkernels.runner --device cuda --tp 2 \
             --preset v4-flash-like --quiet "$@" >> "$OUT/runner.log" 2>&1; echo "rc=$?" >> "$OUT/runner.log"; }
   run --prompt-lens 8192,8192 --gen 2 --warmup 1 --sp-threshold 1024
   run --prompt-lens 8192,8192 --gen 2 --warmup 1 --sp-threshold none
-  run --prompts 16 --prompt-len 64 --gen 32 --warmup 1
-  run --prompts 16 --prompt-len 64 --gen 32 --warmup 1 --no-graphs
+  run --prompts 16 --prompt-len 64 --gen 24 --warmup 1
+  run --prompts 16 --prompt-len 64 --gen 24 --warmup 1 --no-graphs
   grep -E "^===|prefill|decode:|peak|rc=|Error" "$OUT/runner.log"
+fi
+if [[ $what == bench || $what == all ]]; then
+  timeout ${BENCH_TIMEOUT:-420} python3 bench/collectives.py ${BENCH_ARGS:---quick} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
 exit $rc
