@@ -33,8 +33,9 @@ TORCH_LIBRARY(spkernels, m) {
   m.def("mhc_post(Tensor y, " SPK_POST_ARGS ") -> Tensor");
   m.def("mhc_post_pre(Tensor y, " SPK_POST_ARGS ", " SPK_PRE_ARGS ", " SPK_EPS_DEFAULTS
         ") -> (Tensor new_stream, Tensor layer_input, Tensor post_mix, Tensor res_mix, Tensor pre_mix)");
-  m.def("mhc_head(Tensor stream, Tensor fn, Tensor scale, Tensor base, float rms_eps=1e-6, "
-        "float hc_eps=1e-6) -> Tensor");
+  m.def(
+      "mhc_head(Tensor stream, Tensor fn, Tensor scale, Tensor base, float rms_eps=1e-6, "
+      "float hc_eps=1e-6) -> Tensor");
   // SP mode: the stream is this rank's token shard; partial is [T, D] with T the padded total.
   m.def("mhc_post_rs(Tensor partial, " SPK_POST_ARGS ", int comm) -> Tensor");
   m.def("mhc_pre_ag(Tensor stream, " SPK_PRE_ARGS ", " SPK_EPS
@@ -54,8 +55,10 @@ TORCH_LIBRARY(spkernels, m) {
   m.def("_build_info() -> int[]", &spk::build_info);
 #ifdef SPK_WITH_CUDA
   m.def("_nccl_unique_id() -> int[]", &spk::nccl_unique_id);
-  m.def("_comm_create(int handle, int[] unique_id, int rank, int world_size, int device, int max_tokens, "
-        "int hidden_size, int hc, bool fused) -> int", &spk::comm_create);
+  m.def(
+      "_comm_create(int handle, int[] unique_id, int rank, int world_size, int device, int max_tokens, "
+      "int hidden_size, int hc, bool fused) -> int",
+      &spk::comm_create);
   m.def("_comm_destroy(int handle) -> ()", &spk::comm_destroy);
   m.def("_comm_partial_buffer(int handle, int num_tokens) -> Tensor", &spk::comm_partial_buffer);
 #endif

@@ -11,10 +11,9 @@ namespace spk {
 
 constexpr int kGatherThreads = 512;
 
-__global__ void __launch_bounds__(kGatherThreads) lsa_all_gather_kernel(const __grid_constant__ ncclDevComm dev_comm,
-                                                                        ncclWindow_t window, size_t gather_offset,
-                                                                        size_t bytes, int rank, int world,
-                                                                        char* out) {
+__global__ void __launch_bounds__(kGatherThreads)
+    lsa_all_gather_kernel(const __grid_constant__ ncclDevComm dev_comm, ncclWindow_t window, size_t gather_offset,
+                          size_t bytes, int rank, int world, char* out) {
   ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), dev_comm, ncclTeamTagLsa(), blockIdx.x};
   bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);  // every rank's block is staged
   const bool vec = bytes % 16 == 0;

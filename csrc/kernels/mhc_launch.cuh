@@ -35,13 +35,14 @@ struct TilePlan {
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kGather>
 inline const void* tile_kernel_ptr(int gpw) {
   switch (gpw) {
-    case 1: return (const void*)mhc_tile_kernel<kSrc, kPost, kPre, kHead, kGather, 1>;
-    default: return (const void*)mhc_tile_kernel<kSrc, kPost, kPre, kHead, kGather, 2>;
+    case 1:
+      return (const void*)mhc_tile_kernel<kSrc, kPost, kPre, kHead, kGather, 1>;
+    default:
+      return (const void*)mhc_tile_kernel<kSrc, kPost, kPre, kHead, kGather, 2>;
   }
 }
 
-inline cudaLaunchConfig_t tile_config(const TilePlan& p, int clusters, cudaStream_t stream,
-                                      cudaLaunchAttribute* attr) {
+inline cudaLaunchConfig_t tile_config(const TilePlan& p, int clusters, cudaStream_t stream, cudaLaunchAttribute* attr) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(clusters * p.cs);
   cfg.blockDim = dim3(kThreads);
@@ -58,7 +59,8 @@ inline cudaLaunchConfig_t tile_config(const TilePlan& p, int clusters, cudaStrea
 
 inline cudaError_t prepare_tile_kernel(const TilePlan& p) {
   cudaError_t e = cudaFuncSetAttribute(p.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)p.smem);
-  if (e == cudaSuccess && p.cs > 8) e = cudaFuncSetAttribute(p.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  if (e == cudaSuccess && p.cs > 8)
+    e = cudaFuncSetAttribute(p.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   return e;
 }
 

@@ -9,14 +9,14 @@
 
 namespace spk {
 
-constexpr int kHC = 4;                    // stream count; kernels are specialised for 4
-constexpr int kMix = (2 + kHC) * kHC;     // 24 mixing values: pre | post | res (row-major i, j)
-constexpr int kTileTokens = 16;           // tokens per tile = the M of mma.m16n8k16
-constexpr int kThreads = 256;             // threads per CTA
+constexpr int kHC = 4;                 // stream count; kernels are specialised for 4
+constexpr int kMix = (2 + kHC) * kHC;  // 24 mixing values: pre | post | res (row-major i, j)
+constexpr int kTileTokens = 16;        // tokens per tile = the M of mma.m16n8k16
+constexpr int kThreads = 256;          // threads per CTA
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxCluster = 16;           // CTAs per cluster: one column slice of D each
-constexpr int kMaxPeers = 8;              // LSA ranks the fused kernels sum over (one NVLink node)
-constexpr int kMaxHidden = 8192;          // D limit: the fn slice of a CTA must fit in shared memory
+constexpr int kMaxCluster = 16;   // CTAs per cluster: one column slice of D each
+constexpr int kMaxPeers = 8;      // LSA ranks the fused kernels sum over (one NVLink node)
+constexpr int kMaxHidden = 8192;  // D limit: the fn slice of a CTA must fit in shared memory
 
 struct MhcEps {
   float rms_eps, hc_eps, norm_eps;
@@ -56,8 +56,8 @@ __device__ __forceinline__ void split_bf16x2(float a, float b, uint32_t& hi, uin
   lo = *reinterpret_cast<uint32_t*>(&l);
 }
 
-__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                               uint32_t a3, uint32_t b0, uint32_t b1) {
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
@@ -83,9 +83,8 @@ __device__ __forceinline__ float quad_sum(float v) {
 // Sinkhorn matrix. m: the 24 raw products (fn · x) of the token; r: its RMS factor, applied after
 // the product as SPEC.md §1 says. Writes coef[0:4] = pre, coef[4:8] = post and
 // coef[8 + 4i + j] = res[i][j] (source stream i -> destination stream j).
-__device__ __forceinline__ void mhc_coefficients_quad(const float* m, float r, const float* scale,
-                                                      const float* base, const MhcEps& eps, int i,
-                                                      float* coef) {
+__device__ __forceinline__ void mhc_coefficients_quad(const float* m, float r, const float* scale, const float* base,
+                                                      const MhcEps& eps, int i, float* coef) {
   coef[i] = sigmoidf(m[i] * r * scale[0] + base[i]) + eps.hc_eps;
   coef[kHC + i] = eps.post_alpha * sigmoidf(m[kHC + i] * r * scale[1] + base[kHC + i]);
   float c[kHC];

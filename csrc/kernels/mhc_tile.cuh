@@ -161,9 +161,9 @@ __device__ __forceinline__ void mhc_tiles(const TileArgs& a) {
         const bool valid = vec < W && row < T;
 #pragma unroll
         for (int i = 0; i < kHC; ++i)
-          x[gi][h][i] = valid ? *reinterpret_cast<const uint4*>(a.stream + row * srow + (size_t)i * D +
-                                                                 (size_t)(v0 + vec) * 8)
-                              : make_uint4(0, 0, 0, 0);
+          x[gi][h][i] =
+              valid ? *reinterpret_cast<const uint4*>(a.stream + row * srow + (size_t)i * D + (size_t)(v0 + vec) * 8)
+                    : make_uint4(0, 0, 0, 0);
       }
     }
     __syncthreads();  // the previous tile's readers of s_coef / s_mixin / s_pmi are done
@@ -337,8 +337,7 @@ __device__ __forceinline__ void mhc_tiles(const TileArgs& a) {
             a.pre_mix[row * kHC + i] = s_coef[tok][i];
             a.post_mix[row * kHC + i] = s_coef[tok][kHC + i];
 #pragma unroll
-            for (int j = 0; j < kHC; ++j)
-              a.res_mix[(row * kHC + i) * kHC + j] = s_coef[tok][2 * kHC + i * kHC + j];
+            for (int j = 0; j < kHC; ++j) a.res_mix[(row * kHC + i) * kHC + j] = s_coef[tok][2 * kHC + i * kHC + j];
           }
         }
       }

@@ -42,23 +42,23 @@ inline std::string fmt(const Args&... args) {
 
 }  // namespace spk
 
-#define SPK_CHECK(cond, ...)                                \
-  do {                                                      \
+#define SPK_CHECK(cond, ...)                                  \
+  do {                                                        \
     if (!(cond)) TORCH_CHECK(false, ::spk::fmt(__VA_ARGS__)); \
   } while (0)
 
-#define SPK_CUDA_CHECK(expr)                                                                                  \
-  do {                                                                                                        \
-    cudaError_t spk_err_ = (expr);                                                                            \
-    SPK_CHECK(spk_err_ == cudaSuccess, "CUDA error at ", __FILE__, ":", __LINE__, ": ",                       \
-              cudaGetErrorString(spk_err_), " (", #expr, ")");                                                \
+#define SPK_CUDA_CHECK(expr)                                                                                          \
+  do {                                                                                                                \
+    cudaError_t spk_err_ = (expr);                                                                                    \
+    SPK_CHECK(spk_err_ == cudaSuccess, "CUDA error at ", __FILE__, ":", __LINE__, ": ", cudaGetErrorString(spk_err_), \
+              " (", #expr, ")");                                                                                      \
   } while (0)
 
-#define SPK_NCCL_CHECK(expr, comm)                                                                            \
-  do {                                                                                                        \
-    ncclResult_t spk_res_ = (expr);                                                                           \
-    SPK_CHECK(spk_res_ == ncclSuccess, "NCCL error at ", __FILE__, ":", __LINE__, ": ",                       \
-              ncclGetErrorString(spk_res_), " ", ncclGetLastError(comm), " (", #expr, ")");                   \
+#define SPK_NCCL_CHECK(expr, comm)                                                                                    \
+  do {                                                                                                                \
+    ncclResult_t spk_res_ = (expr);                                                                                   \
+    SPK_CHECK(spk_res_ == ncclSuccess, "NCCL error at ", __FILE__, ":", __LINE__, ": ", ncclGetErrorString(spk_res_), \
+              " ", ncclGetLastError(comm), " (", #expr, ")");                                                         \
   } while (0)
 
 namespace spk {
@@ -78,11 +78,11 @@ inline void check_tensor(const char* name, const at::Tensor& t, at::ScalarType d
 inline void check_stream(const at::Tensor& stream) {
   SPK_CHECK(stream.is_cuda(), "stream must be a CUDA tensor, got ", stream.device());
   SPK_CHECK(stream.dim() == 3, "stream must be bf16 [T, 4, D], got shape ", stream.sizes());
-  SPK_CHECK(stream.size(1) == kHC, "stream must be [T, 4, D]: the CUDA kernels support hc = 4 only, got hc = ",
-              stream.size(1));
+  SPK_CHECK(stream.size(1) == kHC,
+            "stream must be [T, 4, D]: the CUDA kernels support hc = 4 only, got hc = ", stream.size(1));
   const int64_t D = stream.size(2);
   SPK_CHECK(D > 0 && D % 8 == 0 && D <= kMaxHidden, "stream's hidden size D must be a multiple of 8 in [8, ",
-              kMaxHidden, "] on CUDA, got D = ", D);
+            kMaxHidden, "] on CUDA, got D = ", D);
   check_tensor("stream", stream, at::kBFloat16, {-1, kHC, D}, stream.device());
   SPK_CHECK(stream.size(0) <= (int64_t)INT32_MAX / kHC, "stream has too many tokens: ", stream.size(0));
 }
@@ -102,8 +102,7 @@ inline void check_pre_args(const at::Tensor& stream, const at::Tensor& fn, const
   check_tensor("base", base, at::kFloat, {kMix}, stream.device());
   if (norm_weight) check_tensor("norm_weight", *norm_weight, at::kBFloat16, {D}, stream.device());
   if (pre_mix_in) check_tensor("pre_mix_in", *pre_mix_in, at::kFloat, {T, kHC}, stream.device());
-  SPK_CHECK(sinkhorn_iters >= 1 && sinkhorn_iters <= 1000, "sinkhorn_iters must be in [1, 1000], got ",
-              sinkhorn_iters);
+  SPK_CHECK(sinkhorn_iters >= 1 && sinkhorn_iters <= 1000, "sinkhorn_iters must be in [1, 1000], got ", sinkhorn_iters);
 }
 
 inline MhcEps make_eps(double rms_eps, double hc_eps, double norm_eps, int64_t sinkhorn_iters, double post_alpha) {

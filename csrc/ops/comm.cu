@@ -30,7 +30,7 @@ CommState& get_comm(int64_t handle) {
   std::lock_guard<std::mutex> lock(g_mu);
   auto it = g_comms.find(handle);
   SPK_CHECK(it != g_comms.end(), "comm ", handle,
-              " is not an open CUDA spkernels.Communicator (closed, never created, or a gloo one)");
+            " is not an open CUDA spkernels.Communicator (closed, never created, or a gloo one)");
   return *it->second;
 }
 
@@ -42,13 +42,13 @@ std::vector<int64_t> nccl_unique_id() {
   return out;
 }
 
-int64_t comm_create(int64_t handle, std::vector<int64_t> unique_id, int64_t rank, int64_t world_size,
-                    int64_t device, int64_t max_tokens, int64_t hidden_size, int64_t hc, bool fused) {
+int64_t comm_create(int64_t handle, std::vector<int64_t> unique_id, int64_t rank, int64_t world_size, int64_t device,
+                    int64_t max_tokens, int64_t hidden_size, int64_t hc, bool fused) {
   ncclUniqueId id;
   SPK_CHECK(unique_id.size() == sizeof(id), "unique_id must have ", sizeof(id), " bytes, got ", unique_id.size());
   SPK_CHECK(hc == kHC, "hc must be 4 for a CUDA Communicator (the kernels specialise hc = 4), got ", hc);
   SPK_CHECK(hidden_size > 0 && hidden_size % 8 == 0 && hidden_size <= kMaxHidden,
-              "hidden_size must be a multiple of 8 in [8, ", kMaxHidden, "], got ", hidden_size);
+            "hidden_size must be a multiple of 8 in [8, ", kMaxHidden, "], got ", hidden_size);
   SPK_CHECK(max_tokens > 0 && max_tokens <= (1 << 24), "max_tokens must be in [1, 2^24], got ", max_tokens);
   for (size_t i = 0; i < sizeof(id); ++i) id.internal[i] = (char)unique_id[i];
   {
@@ -124,7 +124,7 @@ void comm_destroy(int64_t handle) {
 at::Tensor comm_partial_buffer(int64_t handle, int64_t num_tokens) {
   CommState& s = get_comm(handle);
   SPK_CHECK(num_tokens > 0 && num_tokens <= s.max_tokens, "num_tokens must be in [1, max_tokens = ", s.max_tokens,
-              "], got ", num_tokens);
+            "], got ", num_tokens);
   auto opts = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA, s.device);
   return at::from_blob(s.buffer, {num_tokens, s.hidden}, opts);
 }

@@ -12,23 +12,23 @@ namespace {
 CommState& comm_for(int64_t handle, const Tensor& t, int64_t num_tokens) {
   CommState& c = get_comm(handle);
   SPK_CHECK(t.is_cuda() && t.get_device() == c.device, "comm ", handle, " lives on cuda:", c.device,
-              ", got tensors on ", t.device());
+            ", got tensors on ", t.device());
   SPK_CHECK(num_tokens <= c.max_tokens, "T = ", num_tokens,
-              " tokens is above the communicator's capacity max_tokens = ", c.max_tokens);
+            " tokens is above the communicator's capacity max_tokens = ", c.max_tokens);
   return c;
 }
 
 void check_hidden(const CommState& c, const Tensor& stream) {
   SPK_CHECK(stream.size(2) == c.hidden, "stream's hidden size ", stream.size(2),
-              " differs from the communicator's hidden_size ", c.hidden);
+            " differs from the communicator's hidden_size ", c.hidden);
 }
 
 // SP partial: [tp * T_local, D] bf16.
 void check_sp_partial(const CommState& c, const Tensor& partial, const Tensor& stream) {
   const int64_t T = stream.size(0) * c.world;
   check_tensor("partial", partial, at::kBFloat16, {-1, stream.size(2)}, stream.device());
-  SPK_CHECK(partial.size(0) == T, "partial must be [T, D] with T = tp * T_local = ", c.world, " * ",
-              stream.size(0), " = ", T, " (pad T to a multiple of tp), got ", partial.sizes());
+  SPK_CHECK(partial.size(0) == T, "partial must be [T, D] with T = tp * T_local = ", c.world, " * ", stream.size(0),
+            " = ", T, " (pad T to a multiple of tp), got ", partial.sizes());
 }
 
 // The fused kernels read peers' partial rows from the window: stage the input there unless
@@ -50,7 +50,6 @@ void set_lsa(TileArgs& a, const CommState& c, int partial_row0) {
   a.lsa.partial_row0 = partial_row0;
 }
 
-
 // nccl backend: NCCL's reduce-scatter / all-reduce of the partial into y.
 Tensor nccl_reduce(const CommState& c, const Tensor& partial, int64_t rows, bool scatter) {
   Tensor y = at::empty({rows, partial.size(1)}, partial.options());
@@ -69,9 +68,8 @@ Tensor nccl_reduce(const CommState& c, const Tensor& partial, int64_t rows, bool
 void nccl_gather_in_place(const CommState& c, Tensor& full) {
   const size_t bytes = full.nbytes() / c.world;
   char* base = static_cast<char*>(full.data_ptr());
-  SPK_NCCL_CHECK(ncclAllGather(base + c.rank * bytes, base, bytes, ncclUint8, c.comm,
-                               c10::cuda::getCurrentCUDAStream()),
-                 c.comm);
+  SPK_NCCL_CHECK(
+      ncclAllGather(base + c.rank * bytes, base, bytes, ncclUint8, c.comm, c10::cuda::getCurrentCUDAStream()), c.comm);
 }
 
 }  // namespace
@@ -130,17 +128,17 @@ PostPreOut mhc_post_pre_rs_ag_cuda(const Tensor& partial, const Tensor& stream, 
   const c10::cuda::CUDAGuard guard(stream.device());
   if (!c.lsa) {
     Tensor new_stream = mhc_post_cuda(nccl_reduce(c, partial, stream.size(0), true), stream, post_mix, res_mix);
-    auto [li, post, res, pre] = mhc_pre_ag_cuda(new_stream, fn, scale, base, norm_weight, pre_mix_in, rms_eps,
-                                                hc_eps, norm_eps, sinkhorn_iters, post_alpha, comm);
+    auto [li, post, res, pre] = mhc_pre_ag_cuda(new_stream, fn, scale, base, norm_weight, pre_mix_in, rms_eps, hc_eps,
+                                                norm_eps, sinkhorn_iters, post_alpha, comm);
     return {new_stream, li, post, res, pre};
   }
   stage_partial(c, partial);
   Tensor new_stream = at::empty_like(stream);
   TileArgs a = base_tile_args(stream);
   set_post_args(a, post_mix, res_mix, new_stream);
-  auto [li, post, res, pre] = set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in,
-                                           make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha),
-                                           stream.size(0) * c.world);
+  auto [li, post, res, pre] =
+      set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in,
+                   make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha), stream.size(0) * c.world);
   set_lsa(a, c, c.rank * (int)stream.size(0));
   run_tiles<YSrc::kPeers, true, true, false, true>(a, c.max_clusters);
   return {new_stream, li, post, res, pre};
@@ -148,22 +146,21 @@ PostPreOut mhc_post_pre_rs_ag_cuda(const Tensor& partial, const Tensor& stream, 
 
 Tensor sp_all_gather_cuda(const Tensor& x_local, int64_t num_tokens, int64_t comm) {
   SPK_CHECK(x_local.is_cuda() && x_local.dim() >= 1, "x_local must be a CUDA tensor [T_local, ...], got ",
-              x_local.sizes(), " on ", x_local.device());
+            x_local.sizes(), " on ", x_local.device());
   SPK_CHECK(x_local.is_contiguous(), "x_local must be contiguous, got strides ", x_local.strides());
   CommState& c = comm_for(comm, x_local, x_local.size(0) * get_comm(comm).world);
   const int64_t T = x_local.size(0) * c.world;
-  SPK_CHECK(num_tokens >= 0 && num_tokens <= T, "num_tokens must be in [0, tp * T_local = ", T, "], got ",
-              num_tokens);
+  SPK_CHECK(num_tokens >= 0 && num_tokens <= T, "num_tokens must be in [0, tp * T_local = ", T, "], got ", num_tokens);
   const c10::cuda::CUDAGuard guard(x_local.device());
   std::vector<int64_t> sizes = x_local.sizes().vec();
   sizes[0] = T;
   Tensor full = at::empty(sizes, x_local.options());
   const size_t bytes = x_local.nbytes();
   cudaStream_t st = c10::cuda::getCurrentCUDAStream();
+  if (bytes == 0) return full.narrow(0, 0, num_tokens);  // every rank has T_local = 0: nothing to move
   char* mine = static_cast<char*>(full.data_ptr()) + c.rank * bytes;
-  if (bytes > 0) SPK_CUDA_CHECK(cudaMemcpyAsync(mine, x_local.data_ptr(), bytes, cudaMemcpyDeviceToDevice, st));
-  if (bytes == 0) {
-  } else if (c.lsa && bytes * c.world <= c.region_bytes()) {
+  SPK_CUDA_CHECK(cudaMemcpyAsync(mine, x_local.data_ptr(), bytes, cudaMemcpyDeviceToDevice, st));
+  if (c.lsa && bytes * c.world <= c.region_bytes()) {
     char* staged = static_cast<char*>(c.buffer) + c.gather_offset() + c.rank * bytes;
     SPK_CUDA_CHECK(cudaMemcpyAsync(staged, x_local.data_ptr(), bytes, cudaMemcpyDeviceToDevice, st));
     lsa_all_gather_kernel<<<lsa_all_gather_grid(bytes, c.max_ctas), kGatherThreads, 0, st>>>(
@@ -208,15 +205,15 @@ PostPreOut mhc_post_pre_ar_cuda(const Tensor& partial, const Tensor& stream, con
   check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, sinkhorn_iters);
   const c10::cuda::CUDAGuard guard(stream.device());
   if (!c.lsa)
-    return mhc_post_pre_cuda(nccl_reduce(c, partial, stream.size(0), false), stream, post_mix, res_mix, fn, scale,
-                             base, norm_weight, pre_mix_in, rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha);
+    return mhc_post_pre_cuda(nccl_reduce(c, partial, stream.size(0), false), stream, post_mix, res_mix, fn, scale, base,
+                             norm_weight, pre_mix_in, rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha);
   stage_partial(c, partial);
   Tensor new_stream = at::empty_like(stream);
   TileArgs a = base_tile_args(stream);
   set_post_args(a, post_mix, res_mix, new_stream);
-  auto [li, post, res, pre] = set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in,
-                                           make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha),
-                                           stream.size(0));
+  auto [li, post, res, pre] =
+      set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in,
+                   make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha), stream.size(0));
   set_lsa(a, c, 0);
   run_tiles<YSrc::kPeers, true, true, false, false>(a, c.max_clusters);
   return {new_stream, li, post, res, pre};

@@ -1,8 +1,8 @@
 #pragma once
 // Torch-aware launch helpers shared by the local ops and the fused (communicating) ops.
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <tuple>
 
@@ -44,8 +44,8 @@ inline void set_post_args(TileArgs& a, const Tensor& post_mix, const Tensor& res
 }
 
 // Pre outputs: layer_input rows [T, D] (or [tp * T, D] when gathering), post/res/pre mixes.
-inline PreOut set_pre_args(TileArgs& a, const Tensor& stream, const Tensor& fn, const Tensor& scale,
-                           const Tensor& base, const OptTensor& norm_weight, const OptTensor& pre_mix_in, MhcEps eps,
+inline PreOut set_pre_args(TileArgs& a, const Tensor& stream, const Tensor& fn, const Tensor& scale, const Tensor& base,
+                           const OptTensor& norm_weight, const OptTensor& pre_mix_in, MhcEps eps,
                            int64_t layer_input_rows) {
   const int64_t T = stream.size(0), D = stream.size(2);
   auto f32 = stream.options().dtype(at::kFloat);
