@@ -17,7 +17,7 @@ echo "build: $(( $(date +%s) - start )) s"
 python3 -c "
 import torch, spkernels, spkernels._library as L
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl runtime', L.runtime_nccl_version(), 'compiled', L.COMPILED_NCCL_VERSION)
-print('ops:', sorted(n for n in torch.ops.spkernels._dir if not n.startswith('_')) if hasattr(torch.ops.spkernels, '_dir') else '')
+print('ops:', sorted(n.split('::')[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith('spkernels::')))
 " 2>&1 | tee -a "$OUT/machine.txt"
 rc=0
 if [[ $what == test || $what == all ]]; then
