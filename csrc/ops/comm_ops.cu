@@ -50,6 +50,17 @@ void set_lsa(TileArgs& a, const CommState& c, int partial_row0) {
   a.lsa.partial_row0 = partial_row0;
 }
 
+// The lsa path of a boundary that starts with a post: stage the partial, sum rows from
+// `partial_row0` of every peer's partial, mix them into `new_stream`.
+TileArgs lsa_post_args(const CommState& c, const Tensor& partial, const Tensor& stream, const Tensor& post_mix,
+                       const Tensor& res_mix, const Tensor& new_stream, int partial_row0) {
+  stage_partial(c, partial);
+  TileArgs a = base_tile_args(stream);
+  set_post_args(a, post_mix, res_mix, new_stream);
+  set_lsa(a, c, partial_row0);
+  return a;
+}
+
 // nccl backend: NCCL's reduce-scatter / all-reduce of the partial into y.
 Tensor nccl_reduce(const CommState& c, const Tensor& partial, int64_t rows, bool scatter) {
   Tensor y = at::empty({rows, partial.size(1)}, partial.options());
@@ -83,11 +94,8 @@ Tensor mhc_post_rs_cuda(const Tensor& partial, const Tensor& stream, const Tenso
   check_post_args(stream, post_mix, res_mix);
   const c10::cuda::CUDAGuard guard(stream.device());
   if (!c.lsa) return mhc_post_cuda(nccl_reduce(c, partial, stream.size(0), true), stream, post_mix, res_mix);
-  stage_partial(c, partial);
   Tensor new_stream = at::empty_like(stream);
-  TileArgs a = base_tile_args(stream);
-  set_post_args(a, post_mix, res_mix, new_stream);
-  set_lsa(a, c, c.rank * (int)stream.size(0));
+  const TileArgs a = lsa_post_args(c, partial, stream, post_mix, res_mix, new_stream, c.rank * (int)stream.size(0));
   run_tiles<YSrc::kPeers, true, false, false, false>(a, c.max_clusters);
   return new_stream;
 }
@@ -132,14 +140,11 @@ PostPreOut mhc_post_pre_rs_ag_cuda(const Tensor& partial, const Tensor& stream, 
                                                 norm_eps, sinkhorn_iters, post_alpha, comm);
     return {new_stream, li, post, res, pre};
   }
-  stage_partial(c, partial);
   Tensor new_stream = at::empty_like(stream);
-  TileArgs a = base_tile_args(stream);
-  set_post_args(a, post_mix, res_mix, new_stream);
+  TileArgs a = lsa_post_args(c, partial, stream, post_mix, res_mix, new_stream, c.rank * (int)stream.size(0));
   auto [li, post, res, pre] =
       set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in,
                    make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha), stream.size(0) * c.world);
-  set_lsa(a, c, c.rank * (int)stream.size(0));
   run_tiles<YSrc::kPeers, true, true, false, true>(a, c.max_clusters);
   return {new_stream, li, post, res, pre};
 }
@@ -183,11 +188,8 @@ Tensor mhc_post_ar_cuda(const Tensor& partial, const Tensor& stream, const Tenso
   check_post_args(stream, post_mix, res_mix);
   const c10::cuda::CUDAGuard guard(stream.device());
   if (!c.lsa) return mhc_post_cuda(nccl_reduce(c, partial, stream.size(0), false), stream, post_mix, res_mix);
-  stage_partial(c, partial);
   Tensor new_stream = at::empty_like(stream);
-  TileArgs a = base_tile_args(stream);
-  set_post_args(a, post_mix, res_mix, new_stream);
-  set_lsa(a, c, 0);
+  const TileArgs a = lsa_post_args(c, partial, stream, post_mix, res_mix, new_stream, 0);
   run_tiles<YSrc::kPeers, true, false, false, false>(a, c.max_clusters);
   return new_stream;
 }
@@ -207,14 +209,11 @@ PostPreOut mhc_post_pre_ar_cuda(const Tensor& partial, const Tensor& stream, con
   if (!c.lsa)
     return mhc_post_pre_cuda(nccl_reduce(c, partial, stream.size(0), false), stream, post_mix, res_mix, fn, scale, base,
                              norm_weight, pre_mix_in, rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha);
-  stage_partial(c, partial);
   Tensor new_stream = at::empty_like(stream);
-  TileArgs a = base_tile_args(stream);
-  set_post_args(a, post_mix, res_mix, new_stream);
+  TileArgs a = lsa_post_args(c, partial, stream, post_mix, res_mix, new_stream, 0);
   auto [li, post, res, pre] =
       set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in,
                    make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha), stream.size(0));
-  set_lsa(a, c, 0);
   run_tiles<YSrc::kPeers, true, true, false, false>(a, c.max_clusters);
   return {new_stream, li, post, res, pre};
 }
