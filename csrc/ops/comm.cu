@@ -94,8 +94,9 @@ int64_t comm_create(int64_t handle, std::vector<int64_t> unique_id, int64_t rank
   reqs.lsaBarrierCount = s->max_ctas;
   SPK_NCCL_CHECK(ncclDevCommCreate(s->comm, &reqs, &s->dev_comm), s->comm);
   s->has_dev_comm = true;
-  // Fused kernels need every peer reachable by load/store (one node, NVLink or P2P).
-  s->lsa = fused && s->dev_comm.lsaSize == s->world;
+  // Fused kernels need every peer reachable by load/store (one node, NVLink or P2P) and sum at
+  // most kMaxPeers partials; anything else takes NCCL's host collectives.
+  s->lsa = fused && s->dev_comm.lsaSize == s->world && s->world <= kMaxPeers;
   const int64_t backend = s->lsa ? 0 : 1;
   std::lock_guard<std::mutex> lock(g_mu);
   g_comms[handle] = std::move(s);
