@@ -1,6 +1,7 @@
 """python -m spkernels.runner: greedy generation with TP, SP dispatch and full decode graphs.
 
 python -m spkernels.runner --device cpu --tp 2 --sp-threshold 8 --prompts 4 --gen 8 --check
+python -m spkernels.runner --device cpu --arch v4.1 --tp 2 --pp 2 --num-experts 4 --sp-threshold 8 --check
 torchrun --nproc-per-node 2 -m spkernels.runner --device cuda --tp 2 --preset v4-flash-like
 """
 
@@ -34,8 +35,17 @@ def parse_args(argv=None) -> RunOptions:
     p = argparse.ArgumentParser(prog="python -m spkernels.runner", description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (processes)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (only 1 for now)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (world = tp * pp processes)")
     p.add_argument("--arch", choices=("v4", "v4.1"), default="v4")
+    p.add_argument(
+        "--engram-layers",
+        type=_int_list,
+        default=None,
+        metavar="N,N,...",
+        help="layers with Engram memory (default: none for v4, 1 and L-1 for v4.1; '' for none)",
+    )
+    p.add_argument("--num-experts", type=int, default=None, help="routed MoE experts (0: dense FFN)")
+    p.add_argument("--num-layers", type=int, default=None, help="override the preset's depth")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument(
         "--sp-threshold",

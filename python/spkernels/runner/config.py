@@ -21,6 +21,17 @@ class ModelConfig:
     hc: int = ref.HC
     arch: str = "v4"
     rope_theta: float = 10000.0
+    # Engram (n-gram memory, V4.1): layers that add it before their attention pre-mix, the n-gram
+    # orders hashed, rows per hash table, and the width of each table's embedding.
+    engram_layers: tuple[int, ...] = ()
+    engram_orders: tuple[int, ...] = (2, 3)
+    engram_table_size: int = 4093
+    engram_dim: int = 32
+    # MoE FFN: 0 = the dense FFN; else routed experts (split across the TP group: expert parallel) of
+    # width moe_ffn_size, top moe_top_k per token, plus the dense FFN above as the shared expert.
+    num_experts: int = 0
+    moe_top_k: int = 2
+    moe_ffn_size: int = 64
     # Logit spread of the random LM head (std of the logits in units of the normalised hidden): wide
     # spreads give top-2 margins far above the bf16 noise between TP layouts, so greedy tokens are a
     # fair thing to compare across tp sizes and modes.
@@ -32,6 +43,10 @@ class ModelConfig:
     sinkhorn_iters: int = ref.SINKHORN_ITERS
     post_alpha: float = ref.POST_ALPHA
 
+    def __post_init__(self):  # JSON metadata gives lists: keep tuples so configs compare equal
+        for name in ("engram_layers", "engram_orders"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
     @property
     def eps(self) -> tuple:
         """The five mixing scalars in the op schemas' order (SPEC.md §3)."""
@@ -40,7 +55,7 @@ class ModelConfig:
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
-    def validate(self, tp_size: int) -> None:
+    def validate(self, tp_size: int, pp_size: int = 1) -> None:
         for field in (
             "vocab_size",
             "hidden_size",
@@ -49,6 +64,10 @@ class ModelConfig:
             "head_dim",
             "ffn_size",
             "max_seq_len",
+            "engram_table_size",
+            "engram_dim",
+            "moe_top_k",
+            "moe_ffn_size",
         ):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
@@ -71,6 +90,33 @@ class ModelConfig:
                 f"ffn_size = {self.ffn_size} is not divisible by tp = {tp_size}: FFN columns "
                 f"are split evenly across the TP group"
             )
+        if not isinstance(pp_size, int) or not 1 <= pp_size <= self.num_layers:
+            raise ValueError(
+                f"pp = {pp_size} must be in [1, num_layers = {self.num_layers}]: every pipeline stage "
+                f"holds at least one layer"
+            )
+        bad = [i for i in self.engram_layers if not isinstance(i, int) or not 0 <= i < self.num_layers]
+        if bad or len(set(self.engram_layers)) != len(self.engram_layers):
+            raise ValueError(
+                f"config.engram_layers must be distinct layer indices in [0, {self.num_layers}), "
+                f"got {self.engram_layers}"
+            )
+        if not self.engram_orders or any(not isinstance(n, int) or n < 1 for n in self.engram_orders):
+            raise ValueError(f"config.engram_orders must be positive n-gram orders, got {self.engram_orders}")
+        if not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ValueError(f"config.num_experts must be an int >= 0 (0: dense FFN), got {self.num_experts}")
+        if self.num_experts:
+            if self.moe_top_k >= self.num_experts:
+                raise ValueError(
+                    f"config.moe_top_k = {self.moe_top_k} must be below num_experts = {self.num_experts} "
+                    f"(the gate weighs each chosen expert by its margin over the first one left out)"
+                )
+            if self.num_experts % tp_size:
+                raise ValueError(
+                    f"num_experts = {self.num_experts} is not divisible by tp = {tp_size}: experts are "
+                    f"split evenly across the TP group (expert parallel; in SP mode each rank runs its "
+                    f"experts on all gathered tokens)"
+                )
 
 
 PRESETS = {
@@ -90,6 +136,12 @@ PRESETS = {
 
 
 def preset(name: str, **overrides) -> ModelConfig:
+    """A preset with overrides (None values ignored). V4.1 gets Engram at layers 1 and L - 1 unless
+    told otherwise (layers 1 and 14 of the full model, scaled to the preset's depth)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
-    return PRESETS[name].replace(**{k: v for k, v in overrides.items() if v is not None})
+    config = PRESETS[name].replace(**{k: v for k, v in overrides.items() if v is not None})
+    if config.arch == "v4.1" and overrides.get("engram_layers") is None:
+        last = config.num_layers - 1
+        config = config.replace(engram_layers=tuple(sorted({min(1, last), last})))
+    return config

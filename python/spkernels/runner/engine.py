@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..policy import SPPolicy
+from . import engram, pipeline
 from .model import Batch, Model
 
 
@@ -94,12 +95,16 @@ class Engine:
         """A pure-pad decode batch: the static inputs of a graph before the first replay."""
         m = self.model
         full = lambda v: torch.full((padded,), v, dtype=torch.int64, device=self.device)  # noqa: E731
-        return Batch(full(m.pad_id), full(0), full(m.trash_row), full(1), padded, None, None)
+        batch = Batch(full(m.pad_id), full(0), full(m.trash_row), full(1), padded, None, None)
+        if m.config.engram_layers:
+            batch.hash_ids = torch.stack([full(m.config.engram_table_size)] * len(m.config.engram_orders), 1)
+        return batch
 
     def build_batch(self, entries, padded: int, decode: bool) -> tuple[Batch, list[tuple[Request, int]]]:
         """The step's Batch and [(request, batch row)] of the rows to sample."""
         m = self.model
-        ids, positions, rows, seq_lens, segments, samples = [], [], [], [], [], []
+        cfg = m.config
+        ids, positions, rows, seq_lens, segments, samples, hashes = [], [], [], [], [], [], []
         for req, count in entries:
             start, first = req.num_computed, len(ids)
             ids += req.tokens[start : start + count]
@@ -107,17 +112,24 @@ class Engine:
             rows += [req.index] * count
             seq_lens += range(start + 1, start + count + 1)
             segments.append((req.index, first, start, count))
+            if cfg.engram_layers:  # over the request's whole history, before any sharding
+                span = range(start, start + count)
+                hashes += engram.hash_ids(req.tokens, span, cfg.engram_orders, cfg.engram_table_size)
             if start + count == len(req.tokens):
                 samples.append((req, len(ids) - 1))
         num_tokens, pad = len(ids), padded - len(ids)
         # One host-to-device copy for the four per-token inputs: it sits on every decode step.
-        packed = self._tensor([
+        columns = [
             ids + [m.pad_id] * pad,
             positions + [0] * pad,
             rows + [m.trash_row] * pad,
             seq_lens + [1] * pad,
-        ])  # fmt: skip
-        input_ids, positions_t, rows_t, seq_lens_t = packed.unbind(0)
+        ]
+        if cfg.engram_layers:  # pad rows hash to the tables' zero row
+            hashes += [[cfg.engram_table_size] * len(cfg.engram_orders)] * pad
+            columns += [list(col) for col in zip(*hashes, strict=True)]
+        packed = self._tensor(columns)
+        input_ids, positions_t, rows_t, seq_lens_t = packed[:4].unbind(0)
         batch = Batch(
             input_ids=input_ids,
             positions=positions_t,
@@ -126,6 +138,7 @@ class Engine:
             num_tokens=num_tokens,
             segments=None if decode else segments,
             sample_idx=None if decode else self._tensor([row for _, row in samples]),
+            hash_ids=packed[4:].t().contiguous() if cfg.engram_layers else None,
         )
         return batch, samples
 
@@ -158,8 +171,9 @@ class Engine:
 
     def _replay(self, batch: Batch) -> torch.Tensor:
         graph, static, logits = self.graphs[batch.input_ids.shape[0]]
-        for name in ("input_ids", "positions", "rows", "seq_lens"):
-            getattr(static, name).copy_(getattr(batch, name))
+        for name in ("input_ids", "positions", "rows", "seq_lens", "hash_ids"):
+            if getattr(batch, name) is not None:
+                getattr(static, name).copy_(getattr(batch, name))
         graph.replay()
         return logits
 
@@ -184,7 +198,14 @@ class Engine:
             self.graph_max_diff = max(self.graph_max_diff, (logits[:num_tokens] - eager).abs().max().item())
         else:
             logits = self._replay(batch) if graph else self.model.forward(batch, use_sp)
-        next_ids = logits.argmax(dim=-1).tolist()
+        if self.model.stage is not None and self.model.stage.pp_size > 1:
+            # only the last stage has logits: its tokens (and logits) go to every rank
+            m = self.model
+            next_ids, logits = pipeline.share_samples(
+                m.stage, logits, len(samples), m.config.vocab_size, self.device, self.record_logits
+            )
+        else:
+            next_ids = logits.argmax(dim=-1).tolist()
         self._sync()
         seconds = time.perf_counter() - begin
         prefill = sum(count for req, count in entries if not req.decoding)

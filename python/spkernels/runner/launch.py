@@ -1,5 +1,5 @@
-"""Running the model on a TP group: plain (spawns one process per rank), under torchrun, or in one
-process for tp = 1; the ``--check`` comparison against a one-process run; the printed report."""
+"""Running the model on pp stages of a TP group each: plain (spawns one process per rank), under
+torchrun, or in one process for tp = pp = 1; the ``--check`` comparison against a one-process run."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from ..policy import SPPolicy
 from .config import ModelConfig, preset
 from .engine import Engine
 from .model import Model
+from .pipeline import make_stage
 from .weights import load_weights, random_weights, save_weights
 
 DEFAULT_CUDA_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -32,6 +33,11 @@ class RunOptions:
     tp: int = 1
     pp: int = 1
     arch: str = "v4"
+    # Model overrides (None: the preset's): Engram layers (V4.1 default: 1 and L - 1), routed experts
+    # (0: dense FFN), depth.
+    engram_layers: tuple[int, ...] | None = None
+    num_experts: int | None = None
+    num_layers: int | None = None
     sp_threshold: int | str | None = "auto"
     prompts: int = 4
     prompt_len: int | None = None  # longest synthetic prompt; the others are shorter, varied
@@ -82,16 +88,17 @@ def make_prompts(opts: RunOptions, vocab_size: int) -> list[list[int]]:
 
 def plan(opts: RunOptions, config: ModelConfig | None = None) -> Plan:
     """Every check that needs no process group, so impossible configs fail before anything starts."""
-    if opts.pp != 1:
-        raise ValueError(f"--pp {opts.pp}: pipeline stages are not implemented yet (issue 7); use --pp 1")
-    if opts.arch != "v4":
-        raise NotImplementedError(f"--arch {opts.arch}: only v4 is implemented; V4.1 lands with issue 7")
     if not isinstance(opts.tp, int) or opts.tp < 1:
         raise ValueError(f"--tp must be >= 1, got {opts.tp}")
+    if not isinstance(opts.pp, int) or opts.pp < 1:
+        raise ValueError(f"--pp must be >= 1, got {opts.pp}")
     if opts.device not in ("cpu", "cuda"):
         raise ValueError(f"--device must be cpu or cuda, got {opts.device!r}")
-    if opts.device == "cuda" and torch.cuda.device_count() < opts.tp:
-        raise ValueError(f"--tp {opts.tp} needs {opts.tp} GPUs, {torch.cuda.device_count()} visible")
+    world = opts.tp * opts.pp
+    if opts.device == "cuda" and torch.cuda.device_count() < world:
+        raise ValueError(
+            f"--tp {opts.tp} --pp {opts.pp} needs {world} GPUs, {torch.cuda.device_count()} visible"
+        )
     if opts.tp == 1 and opts.sp_threshold not in (None, "auto"):
         raise ValueError(
             "--sp-threshold: SP shards tokens across a TP group and needs --tp > 1 "
@@ -99,12 +106,16 @@ def plan(opts: RunOptions, config: ModelConfig | None = None) -> Plan:
         )
     if not isinstance(opts.gen, int) or opts.gen < 1:
         raise ValueError(f"--gen must be >= 1 (tokens to generate per request), got {opts.gen!r}")
-    graphs = opts.device == "cuda" if opts.graphs is None else opts.graphs
+    graphs = opts.device == "cuda" and opts.pp == 1 if opts.graphs is None else opts.graphs
     if graphs and opts.device != "cuda":
         raise ValueError("CUDA graphs need --device cuda")
+    if graphs and opts.pp > 1:
+        raise ValueError(
+            "CUDA graphs with --pp > 1: stages hand activations over with eager send/recv; use --no-graphs"
+        )
     if config is None:
         config = _load_config(opts)
-    config.validate(opts.tp)
+    config.validate(opts.tp, opts.pp)
     if opts.arch != config.arch:
         raise ValueError(f"--arch {opts.arch} but the weights are for {config.arch}")
     prompts = make_prompts(opts, config.vocab_size)
@@ -141,7 +152,17 @@ def plan(opts: RunOptions, config: ModelConfig | None = None) -> Plan:
 def _load_config(opts: RunOptions) -> ModelConfig:
     if opts.load_weights:
         return load_weights(opts.load_weights)[1]
-    return preset(opts.preset, arch=opts.arch)
+    return preset_config(opts)
+
+
+def preset_config(opts: RunOptions) -> ModelConfig:
+    return preset(
+        opts.preset,
+        arch=opts.arch,
+        engram_layers=opts.engram_layers,
+        num_experts=opts.num_experts,
+        num_layers=opts.num_layers,
+    )
 
 
 def _peak_memory(device: torch.device) -> int:
@@ -231,7 +252,10 @@ def compare(results: dict, reference: dict, atol: float | None = None) -> dict:
 
 def worker(rank: int, world_size: int, opts: RunOptions) -> dict | None:
     """One rank's whole run (process group already initialised when world_size > 1; the signature of
-    tests/distributed.py's run_distributed); rank 0 returns the results, other ranks None."""
+    tests/distributed.py's run_distributed); rank 0 returns the results, other ranks None.
+    World rank s * tp + r is TP rank r of pipeline stage s (pipeline.make_stage)."""
+    if world_size != opts.tp * opts.pp:
+        raise ValueError(f"--tp {opts.tp} --pp {opts.pp} needs {opts.tp * opts.pp} ranks, got {world_size}")
     # Every launcher (spawn, torchrun, run_distributed) has set this rank's GPU already.
     device = (
         torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda" else torch.device("cpu")
@@ -240,7 +264,7 @@ def worker(rank: int, world_size: int, opts: RunOptions) -> dict | None:
     if opts.load_weights:
         weights, config = load_weights(opts.load_weights)
     else:
-        config = preset(opts.preset, arch=opts.arch)
+        config = preset_config(opts)
         weights = random_weights(config, opts.seed, device)
     if opts.save_weights and rank == 0:
         fmt = save_weights(opts.save_weights, weights, config)
@@ -248,13 +272,15 @@ def worker(rank: int, world_size: int, opts: RunOptions) -> dict | None:
             log(f"saved weights to {opts.save_weights} ({fmt})")
     plan_ = plan(opts, config)
     keep_weights = opts.check and rank == 0  # for the one-process reference run
-    comm = None
-    if world_size > 1:
+    comm, stage, group = None, None, None
+    if opts.pp > 1:
+        stage, group = make_stage(rank, opts.tp, opts.pp, config.num_layers)
+    if opts.tp > 1:
         from ..comm import Communicator
 
-        comm = Communicator(max_tokens=plan_.comm_capacity, hidden_size=config.hidden_size)
+        comm = Communicator(group, max_tokens=plan_.comm_capacity, hidden_size=config.hidden_size)
     try:
-        model = Model(config, weights, device, comm, len(plan_.prompts), plan_.kv_len)
+        model = Model(config, weights, device, comm, len(plan_.prompts), plan_.kv_len, stage)
         if not keep_weights:
             del weights  # the full model, generated on every rank: keep only the shard
         if device.type == "cuda":  # peak memory of the run, not of generating the full weights
@@ -262,7 +288,9 @@ def worker(rank: int, world_size: int, opts: RunOptions) -> dict | None:
             torch.cuda.reset_peak_memory_stats(device)
         if log:
             log(
-                f"{config.num_layers} layers, D={config.hidden_size}, tp={world_size}, {plan_.policy}, "
+                f"{config.arch}: {config.num_layers} layers, D={config.hidden_size}, tp={opts.tp}, "
+                f"pp={opts.pp}, engram at {config.engram_layers}, experts={config.num_experts}, "
+                f"{plan_.policy}, "
                 f"backend={comm.backend if comm else 'local'}, device={device}"
             )
         record = opts.check or opts.record_logits
@@ -310,10 +338,11 @@ def _spawned(rank: int, opts: RunOptions, port: int, out_path: str):
     if opts.device == "cuda":
         torch.cuda.set_device(rank)
     else:  # share the cores instead of oversubscribing them tp times
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.tp))
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=opts.tp)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (opts.tp * opts.pp)))
+    world = opts.tp * opts.pp
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        results = worker(rank, opts.tp, opts)
+        results = worker(rank, world, opts)
         if rank == 0:
             torch.save(results, out_path)
     finally:
@@ -331,8 +360,8 @@ def exit_without_teardown(code: int) -> None:
 
 
 def launch(opts: RunOptions) -> dict:
-    """Run on ``opts.tp`` ranks: under torchrun (this process is one rank; non-zero ranks return {}),
-    in this process for tp = 1, else by spawning tp processes. Returns rank 0's results."""
+    """Run on ``opts.tp * opts.pp`` ranks: under torchrun (this process is one rank; non-zero ranks
+    return {}), in this process for tp = pp = 1, else by spawning the ranks. Returns rank 0's results."""
     world = int(os.environ.get("WORLD_SIZE", "0"))
     plan(opts)  # fail fast, before any process starts
     if world:
@@ -348,9 +377,9 @@ def launch(opts: RunOptions) -> dict:
             return worker(rank, world, opts) or {}
         finally:
             dist.destroy_process_group()
-    if opts.tp == 1:
+    if opts.tp * opts.pp == 1:
         return worker(0, 1, opts)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "results.pt")
-        mp.spawn(_spawned, args=(opts, _free_port(), out_path), nprocs=opts.tp, join=True)
+        mp.spawn(_spawned, args=(opts, _free_port(), out_path), nprocs=opts.tp * opts.pp, join=True)
         return torch.load(out_path, weights_only=False)

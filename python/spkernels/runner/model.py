@@ -1,9 +1,15 @@
-"""A DeepSeek-V4-shaped decoder over an mHC stream, tensor-parallel over a Communicator's group.
+"""A DeepSeek-V4/V4.1-shaped decoder over an mHC stream, tensor-parallel over a Communicator's group,
+optionally one pipeline stage of it.
 
-embedding -> hc copies -> L x [pre -> attention -> post; pre -> FFN -> post] -> mhc_head -> RMSNorm
+embedding -> hc copies -> L x [pre -> attention -> post; pre -> FFN -> post] -> exit collapse -> RMSNorm
 -> LM head. Every mixing site goes through ``torch.ops.spkernels``: the boundary between two
 sublayers is one op (``mhc_post_pre_rs_ag`` in SP mode, ``mhc_post_pre_ar`` in TP mode, the local
 ``mhc_post_pre`` without a TP group), so the same code runs on CPU (gloo) and CUDA.
+
+V4 collapses each site with its own pre and exits through the learned ``mhc_head``. V4.1 (delayed
+pre-mix) collapses each site with the pre of the *previous* site (``pre_mix_in``; a one-hot on
+stream 0 at the first site, which reproduces the embedding) and exits collapsing with the last
+pre_mix. At an Engram layer the boundary before the attention is split: post, Engram add, pre.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import engram, moe, pipeline
 from .config import ModelConfig
 from .weights import shard
 
@@ -33,21 +40,26 @@ class Batch:
     # pure decode batch, whose attention reads only tensors (CUDA-graph safe).
     segments: list[tuple[int, int, int, int]] | None
     sample_idx: torch.Tensor | None  # batch rows whose logits are returned; None: all rows
+    # [T, len(engram_orders)] Engram table rows, from each request's whole token history (pad rows:
+    # the zero row); None when the model has no Engram layer.
+    hash_ids: torch.Tensor | None = None
 
 
 class Model:
+    """``stage``: the pipeline stage this rank runs (pipeline.make_stage); None for the whole model."""
+
     def __init__(
-        self, config: ModelConfig, weights: dict, device, comm=None, max_requests=1, max_seq_len=None
-    ):
-        if config.arch != "v4":
-            raise NotImplementedError(
-                f"arch {config.arch!r}: only 'v4' is implemented (V4.1's delayed pre-mix and head-less "
-                f"exit land with issue 7)"
-            )
-        self.config, self.device, self.comm = config, torch.device(device), comm
+        self, config: ModelConfig, weights: dict, device, comm=None, max_requests=1, max_seq_len=None,
+        stage: pipeline.Stage | None = None,
+    ):  # fmt: skip
+        self.config, self.device, self.comm, self.stage = config, torch.device(device), comm, stage
         self.tp_size = comm.tp_size if comm is not None else 1
         rank = comm.rank if comm is not None else 0
-        config.validate(self.tp_size)
+        config.validate(self.tp_size, stage.pp_size if stage else 1)
+        self.delayed = config.arch == "v4.1"
+        self.layer_ids = stage.layers if stage else range(config.num_layers)
+        self.first_stage = stage is None or stage.first
+        self.last_stage = stage is None or stage.last
         dev = self.device
 
         def w(name):
@@ -57,31 +69,43 @@ class Model:
             names = ("fn", "scale", "base") if head else ("fn", "scale", "base", "norm_weight")
             return tuple(w(f"{prefix}.{n}") for n in names)
 
-        embed = w("embed.weight")
         self.pad_id = config.vocab_size  # an extra zero row: pad tokens embed to zero stream rows
-        self.embed = torch.cat([embed, embed.new_zeros(1, config.hidden_size)])
+        if self.first_stage:
+            embed = w("embed.weight")
+            self.embed = torch.cat([embed, embed.new_zeros(1, config.hidden_size)])
+        experts_per_rank = config.num_experts // self.tp_size
         self.layers = []
-        for i in range(config.num_layers):
+        for i in self.layer_ids:
             p = f"layers.{i}"
-            self.layers.append(
-                {
-                    "attn_mix": site(f"{p}.attn_mix"),
-                    "wqkv": torch.cat([w(f"{p}.attn.{n}") for n in ("wq", "wk", "wv")]),
-                    "wo": w(f"{p}.attn.wo"),
-                    "ffn_mix": site(f"{p}.ffn_mix"),
-                    "w_gate_up": torch.cat([w(f"{p}.ffn.w_gate"), w(f"{p}.ffn.w_up")]),
-                    "w_down": w(f"{p}.ffn.w_down"),
-                }
-            )
-        self.head_mix = site("head_mix", head=True)
-        self.norm_weight = w("norm.weight").float()
-        # fp32 logits: bf16 would quantise them coarsely enough to create argmax ties.
-        self.lm_head = w("lm_head.weight").float()
+            layer = {
+                "attn_mix": site(f"{p}.attn_mix"),
+                "wqkv": torch.cat([w(f"{p}.attn.{n}") for n in ("wq", "wk", "wv")]),
+                "wo": w(f"{p}.attn.wo"),
+                "ffn_mix": site(f"{p}.ffn_mix"),
+                "w_gate_up": torch.cat([w(f"{p}.ffn.w_gate"), w(f"{p}.ffn.w_up")]),
+                "w_down": w(f"{p}.ffn.w_down"),
+            }
+            if config.num_experts:
+                layer["router"] = w(f"{p}.moe.router")
+                layer["experts"] = tuple(w(f"{p}.moe.{n}") for n in ("w_gate", "w_up", "w_down"))
+                layer["first_expert"] = rank * experts_per_rank
+            if i in config.engram_layers:
+                # the extra zero row is the pad id (engram.py): pad rows get zero memory
+                tables = [w(f"{p}.engram.table{n}") for n in config.engram_orders]
+                tables = [torch.cat([t, t.new_zeros(1, t.shape[1])]) for t in tables]
+                layer["engram"] = (tables, w(f"{p}.engram.w_key"), w(f"{p}.engram.w_value"))
+            self.layers.append(layer)
+        if self.last_stage:
+            if not self.delayed:
+                self.head_mix = site("head_mix", head=True)
+            self.norm_weight = w("norm.weight").float()
+            # fp32 logits: bf16 would quantise them coarsely enough to create argmax ties.
+            self.lm_head = w("lm_head.weight").float()
 
         self.local_heads = config.num_heads // self.tp_size
         self.max_seq_len = max_seq_len or config.max_seq_len
         self.trash_row = max_requests  # pad rows write their K/V here; never read by real tokens
-        shape = (config.num_layers, 2, max_requests + 1, self.local_heads, self.max_seq_len, config.head_dim)
+        shape = (len(self.layers), 2, max_requests + 1, self.local_heads, self.max_seq_len, config.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=torch.bfloat16, device=dev)
         half = config.head_dim // 2
         self.inv_freq = config.rope_theta ** (-torch.arange(half, device=dev, dtype=torch.float32) / half)
@@ -143,16 +167,25 @@ class Model:
         layer = self.layers[index]
         gate, up = (layer_input @ layer["w_gate_up"].t()).chunk(2, dim=-1)
         act = (F.silu(gate.float()) * up.float()).to(torch.bfloat16)
-        return self._row_parallel(act, layer["w_down"])
+        if "router" not in layer:
+            return self._row_parallel(act, layer["w_down"])
+        # MoE: this rank's shard of the shared expert plus its own routed experts, one bf16 partial
+        gates = moe.gates(layer_input, layer["router"], self.config.moe_top_k)
+        first = layer["first_expert"]
+        local = gates[:, first : first + layer["experts"][0].shape[0]]
+        out = (act @ layer["w_down"].t()).float() + moe.routed_experts(layer_input, local, *layer["experts"])
+        if self.comm is None:
+            return out.to(torch.bfloat16)
+        return self.comm.partial_buffer(out.shape[0]).copy_(out)
 
     # ------------------------------------------------------------------ mixing boundaries
-    def _pre(self, stream, site, use_sp):
+    def _pre(self, stream, site, pre_mix_in, use_sp):
         if use_sp:
-            return ops.mhc_pre_ag(stream, *site, None, *self.config.eps, self.comm.handle)
-        return ops.mhc_pre(stream, *site, None, *self.config.eps)
+            return ops.mhc_pre_ag(stream, *site, pre_mix_in, *self.config.eps, self.comm.handle)
+        return ops.mhc_pre(stream, *site, pre_mix_in, *self.config.eps)
 
-    def _post_pre(self, partial, stream, post_mix, res_mix, site, use_sp):
-        args = (partial, stream, post_mix, res_mix, *site, None, *self.config.eps)
+    def _post_pre(self, partial, stream, post_mix, res_mix, site, pre_mix_in, use_sp):
+        args = (partial, stream, post_mix, res_mix, *site, pre_mix_in, *self.config.eps)
         if self.comm is None:
             return ops.mhc_post_pre(*args)
         if use_sp:
@@ -167,38 +200,82 @@ class Model:
         return ops.mhc_post_ar(partial, stream, post_mix, res_mix, self.comm.handle)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, batch: Batch, use_sp: bool) -> torch.Tensor:
-        """-> fp32 logits of the sampled rows. ``use_sp`` needs a TP group and T % tp == 0."""
-        T = batch.input_ids.shape[0]
-        if use_sp and (self.comm is None or T % self.tp_size):
-            raise ValueError(
-                f"SP needs a TP group and a padded token count divisible by tp = {self.tp_size}, got T = {T}"
-            )
+    def _enter(self, batch: Batch, use_sp: bool):
+        """-> (stream, pre_mix): the embedding on the first stage, else what the previous stage sent."""
+        T, hc, dim = batch.input_ids.shape[0], self.config.hc, self.config.hidden_size
+        if not self.first_stage:
+            specs = [((batch.num_tokens, hc, dim), torch.bfloat16)]
+            if self.delayed:
+                specs.append(((batch.num_tokens, hc), torch.float32))
+            received = pipeline.recv(specs, self.stage.world_rank(self.stage.index - 1), self.device)
+            received = pipeline.stage_entry(received, T, use_sp, self.comm)
+            return received[0], received[1] if self.delayed else None
         hidden = self.embed[batch.input_ids]
         if use_sp:  # shard the [T, D] embedding rather than the 4x larger stream: same rows
             hidden = ops.sp_shard(hidden, self.comm.handle)
-        stream = hidden.unsqueeze(1).expand(-1, self.config.hc, -1).contiguous()
-        self.peak_stream_bytes = max(self.peak_stream_bytes, stream.numel() * stream.element_size())
-        layer_input, post_mix, res_mix, _ = self._pre(stream, self.layers[0]["attn_mix"], use_sp)
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            partial = self.attention(i, layer_input, batch)
-            stream, layer_input, post_mix, res_mix, _ = self._post_pre(
-                partial, stream, post_mix, res_mix, layer["ffn_mix"], use_sp
-            )
-            partial = self.ffn(i, layer_input)
-            if i == last:
-                stream = self._post(partial, stream, post_mix, res_mix, use_sp)
-            else:
-                stream, layer_input, post_mix, res_mix, _ = self._post_pre(
-                    partial, stream, post_mix, res_mix, self.layers[i + 1]["attn_mix"], use_sp
-                )
-        eps = self.config.eps
-        hidden = ops.mhc_head(stream, *self.head_mix, eps[0], eps[1])
-        if use_sp:  # the head is per token: collapse the shard, then gather 1/hc of the stream's bytes
+        stream = hidden.unsqueeze(1).expand(-1, hc, -1).contiguous()
+        pre_mix = None
+        if self.delayed:  # the first site collapses with a one-hot on stream 0: exactly the embedding
+            pre_mix = torch.zeros((stream.shape[0], hc), dtype=torch.float32, device=stream.device)
+            pre_mix[:, 0] = 1.0
+        return stream, pre_mix
+
+    def _exit(self, stream, pre_mix, batch: Batch, use_sp: bool):
+        """Last stage: logits of the sampled rows; other stages: send the stream (and pre_mix) on."""
+        if not self.last_stage:
+            out = [stream] + ([pre_mix] if self.delayed else [])
+            out = pipeline.stage_exit(out, batch.num_tokens, use_sp, self.comm)
+            pipeline.send(out, self.stage.world_rank(self.stage.index + 1))
+            return None
+        if self.delayed:  # reference.collapse: bf16(sum_i w_i X_i) in fp32, w the last pre_mix
+            hidden = (pre_mix.unsqueeze(-1) * stream.float()).sum(dim=1).to(torch.bfloat16)
+        else:
+            eps = self.config.eps
+            hidden = ops.mhc_head(stream, *self.head_mix, eps[0], eps[1])
+        if use_sp:  # the collapse is per token: collapse the shard, then gather 1/hc of the stream's bytes
             hidden = ops.sp_all_gather(hidden, batch.num_tokens, self.comm.handle)
         if batch.sample_idx is not None:
             hidden = hidden[batch.sample_idx]
         h = hidden.float()
         h = h * torch.rsqrt(h.square().mean(dim=-1, keepdim=True) + self.config.norm_eps) * self.norm_weight
         return h @ self.lm_head.t()
+
+    def forward(self, batch: Batch, use_sp: bool) -> torch.Tensor | None:
+        """-> fp32 logits of the sampled rows (None on a pipeline stage before the last). ``use_sp``
+        needs a TP group and T % tp == 0."""
+        T = batch.input_ids.shape[0]
+        if use_sp and (self.comm is None or T % self.tp_size):
+            raise ValueError(
+                f"SP needs a TP group and a padded token count divisible by tp = {self.tp_size}, got T = {T}"
+            )
+        stream, pre_mix = self._enter(batch, use_sp)
+        self.peak_stream_bytes = max(self.peak_stream_bytes, stream.numel() * stream.element_size())
+        hash_ids = batch.hash_ids
+        if hash_ids is not None and use_sp:  # hashed on the full sequence; the add is per token
+            hash_ids = ops.sp_shard(hash_ids, self.comm.handle)
+        pending = None  # (partial, post_mix, res_mix) of the sublayer whose post is still to come
+        for i, layer in enumerate(self.layers):
+            # Each site collapses with the previous site's pre in V4.1 (pre_mix_in) or its own in V4.
+            if "engram" in layer:  # post, Engram, pre: Engram sits between them
+                if pending is not None:
+                    partial, post_mix, res_mix = pending
+                    stream = self._post(partial, stream, post_mix, res_mix, use_sp)
+                stream = engram.engram_add(stream, hash_ids, *layer["engram"])
+                pending = None
+            if pending is None:
+                layer_input, post_mix, res_mix, pre = self._pre(stream, layer["attn_mix"], pre_mix, use_sp)
+            else:
+                partial, post_mix, res_mix = pending
+                stream, layer_input, post_mix, res_mix, pre = self._post_pre(
+                    partial, stream, post_mix, res_mix, layer["attn_mix"], pre_mix, use_sp
+                )
+            pre_mix = pre if self.delayed else None
+            partial = self.attention(i, layer_input, batch)
+            stream, layer_input, post_mix, res_mix, pre = self._post_pre(
+                partial, stream, post_mix, res_mix, layer["ffn_mix"], pre_mix, use_sp
+            )
+            pre_mix = pre if self.delayed else None
+            pending = (self.ffn(i, layer_input), post_mix, res_mix)
+        partial, post_mix, res_mix = pending
+        stream = self._post(partial, stream, post_mix, res_mix, use_sp)
+        return self._exit(stream, pre_mix, batch, use_sp)

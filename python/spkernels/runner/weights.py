@@ -28,6 +28,9 @@ bf16, f32 = torch.bfloat16, torch.float32
 # split their columns (input features) and produce the partial sums that the boundary op reduces.
 COLUMN_PARALLEL = ("attn.wq", "attn.wk", "attn.wv", "ffn.w_gate", "ffn.w_up")
 ROW_PARALLEL = ("attn.wo", "ffn.w_down")
+# Routed experts are split whole across the TP group (expert parallel): rank r owns a contiguous
+# block of experts, and its partial output holds only their contributions.
+EXPERT_PARALLEL = ("moe.w_gate", "moe.w_up", "moe.w_down")
 
 
 def _mix_specs(prefix: str, config: ModelConfig, head: bool = False) -> dict:
@@ -41,6 +44,29 @@ def _mix_specs(prefix: str, config: ModelConfig, head: bool = False) -> dict:
     }
     if not head:
         specs[f"{prefix}.norm_weight"] = ((dim,), bf16, ("uniform", 0.8, 1.2))
+    return specs
+
+
+def _moe_specs(prefix: str, config: ModelConfig) -> dict:
+    n, dim, ffn = config.num_experts, config.hidden_size, config.moe_ffn_size
+    # router logits ~ N(0, 2^2): wide enough that the top-k choice is clear for most tokens
+    return {
+        f"{prefix}.moe.router": ((n, dim), f32, ("normal", 2 / math.sqrt(dim))),
+        f"{prefix}.moe.w_gate": ((n, ffn, dim), bf16, ("normal", 1 / math.sqrt(dim))),
+        f"{prefix}.moe.w_up": ((n, ffn, dim), bf16, ("normal", 1 / math.sqrt(dim))),
+        f"{prefix}.moe.w_down": ((n, dim, ffn), bf16, ("normal", 1 / math.sqrt(ffn))),
+    }
+
+
+def _engram_specs(prefix: str, config: ModelConfig) -> dict:
+    rows, width, dim = config.engram_table_size, config.engram_dim, config.hidden_size
+    total = width * len(config.engram_orders)
+    specs = {
+        f"{prefix}.engram.table{n}": ((rows, width), bf16, ("normal", 1.0)) for n in config.engram_orders
+    }
+    specs[f"{prefix}.engram.w_key"] = ((dim, total), bf16, ("normal", 1 / math.sqrt(total)))
+    # values ~ 1/4 of the stream's scale: the memory nudges the stream rather than replacing it
+    specs[f"{prefix}.engram.w_value"] = ((dim, total), bf16, ("normal", 0.25 / math.sqrt(total)))
     return specs
 
 
@@ -58,7 +84,12 @@ def param_specs(config: ModelConfig) -> dict:
         specs[f"{p}.ffn.w_gate"] = ((ffn, dim), bf16, ("normal", 1 / math.sqrt(dim)))
         specs[f"{p}.ffn.w_up"] = ((ffn, dim), bf16, ("normal", 1 / math.sqrt(dim)))
         specs[f"{p}.ffn.w_down"] = ((dim, ffn), bf16, ("normal", 1 / math.sqrt(ffn)))
-    specs.update(_mix_specs("head_mix", config, head=True))
+        if config.num_experts:
+            specs.update(_moe_specs(p, config))
+        if i in config.engram_layers:
+            specs.update(_engram_specs(p, config))
+    if config.arch == "v4":  # V4.1 has no learned head: its exit collapses with the last pre_mix
+        specs.update(_mix_specs("head_mix", config, head=True))
     specs["norm.weight"] = ((dim,), bf16, ("uniform", 0.8, 1.2))
     specs["lm_head.weight"] = ((config.vocab_size, dim), bf16, ("normal", config.logit_std / math.sqrt(dim)))
     return specs
@@ -134,10 +165,12 @@ def load_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelConfig
 
 
 def shard(name: str, weight: torch.Tensor, rank: int, tp_size: int) -> torch.Tensor:
-    """This rank's slice: heads and FFN columns split evenly, everything else replicated."""
+    """This rank's slice: heads, FFN columns and experts split evenly, everything else replicated."""
     kind = name.split(".", 2)[-1]
     if kind in COLUMN_PARALLEL:
         return weight.chunk(tp_size, dim=0)[rank].contiguous()
     if kind in ROW_PARALLEL:
         return weight.chunk(tp_size, dim=1)[rank].contiguous()
+    if kind in EXPERT_PARALLEL:
+        return weight.chunk(tp_size, dim=0)[rank].contiguous()
     return weight

@@ -1,0 +1,253 @@
+"""V4.1 in the runner (issue 7, SPEC.md §4) on CPU (gloo): delayed pre-mix, Engram, the expert-parallel
+MoE and pipeline stages. PP2xTP2 (4 processes) and PP2xTP1, with SP on and off, give the one-process
+greedy tokens and logits; Engram sits on stage 1's first layer; prompts are not tp multiples. Plus
+plain-math checks of the Engram add, the MoE gate and experts, the delayed-mode forward, and the
+stage boundary's trim and re-shard."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from distributed import run_distributed
+from spkernels import reference as ref
+from spkernels.comm import Communicator
+from spkernels.runner import (
+    Engine,
+    Model,
+    Request,
+    RunOptions,
+    compare,
+    engram,
+    moe,
+    pipeline,
+    plan,
+    random_weights,
+    worker,
+)
+from spkernels.runner.launch import preset_config
+from test_runner import assert_matches, assert_policy_steps
+
+# Five prompts of lengths 1, 3, 5, 40, 2 (not tp multiples: shards with pad rows at tp = 2); the
+# tiny preset has 2 layers, so pp = 2 puts layer 1, V4.1's default Engram layer, first on stage 1.
+BASE = RunOptions(
+    device="cpu",
+    arch="v4.1",
+    prompt_lens=(1, 3, 5, 40, 2),
+    gen=5,
+    capture_sizes=(2, 4, 8),
+    verbose=False,
+    record_logits=True,
+)
+
+
+def options(**changes) -> RunOptions:
+    return dataclasses.replace(BASE, **changes)
+
+
+def test_engram_on_stage_first_layer():
+    config = preset_config(BASE)
+    assert config.engram_layers == (1,)
+    assert pipeline.stage_layers(config.num_layers, 2, 1)[0] == 1
+
+
+# ----------------------------------------------------------------------------- plain math
+def test_engram_add_matches_per_token_formula():
+    gen = torch.Generator().manual_seed(1)
+    T, hc, D, E, rows = 6, 4, 32, 8, 11
+    stream = torch.randn(T, hc, D, generator=gen).to(torch.bfloat16)
+    tables = [torch.randn(rows + 1, E, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    tables = [torch.cat([t[:-1], t.new_zeros(1, E)]) for t in tables]  # the zero pad row
+    w_key = (torch.randn(D, 2 * E, generator=gen) / 4).to(torch.bfloat16)
+    w_value = (torch.randn(D, 2 * E, generator=gen) / 4).to(torch.bfloat16)
+    ids = torch.randint(0, rows, (T, 2), generator=gen)
+    ids[-1] = rows  # a pad row
+    out = engram.engram_add(stream, ids, tables, w_key, w_value)
+    for t in range(T):
+        e = torch.cat([tables[0][ids[t, 0]], tables[1][ids[t, 1]]])
+        key, value = (w_key @ e).double(), (w_value @ e).double()  # bf16 products, as in the module
+        for j in range(hc):
+            x = stream[t, j].double()
+            d = (x / x.square().mean().add(1e-6).sqrt()) @ (key / key.square().mean().add(1e-6).sqrt())
+            d = d / math.sqrt(D)
+            gate = torch.sigmoid(torch.sign(d) * d.abs().clamp_min(1e-6).sqrt())
+            want = (x + gate * value).to(torch.bfloat16)
+            # one bf16 rounding of an fp32 vs fp64 sum: at most one bf16 spacing apart
+            spacing = 2.0 ** (torch.floor(torch.log2(want.double().abs().clamp_min(2**-126))) - 7)
+            assert ((out[t, j].double() - want.double()).abs() <= spacing).all(), (t, j)
+    assert torch.equal(out[-1], stream[-1])  # pad memory is zero: the stream row is untouched
+
+
+def test_engram_hash_depends_on_last_n_tokens_only():
+    a, b = [5, 9, 1, 2, 3], [7, 7, 1, 2, 3]
+    orders, size = (2, 3), 101
+    assert engram.hash_ids(a, range(4, 5), orders, size) == engram.hash_ids(b, range(4, 5), orders, size)
+    assert engram.hash_ids(a, range(2, 3), (3,), size) != engram.hash_ids(b, range(2, 3), (3,), size)
+    ids = engram.hash_ids(a, range(5), orders, size)
+    assert all(0 <= i < size for row in ids for i in row)
+    assert ids[0] != engram.hash_ids([4], range(1), orders, size)[0]  # the first token hashes on its own
+
+
+def test_moe_gates_and_expert_parallel_split():
+    gen = torch.Generator().manual_seed(2)
+    T, D, F, E, k = 9, 16, 8, 4, 2
+    x = torch.randn(T, D, generator=gen).to(torch.bfloat16)
+    router = torch.randn(E, D, generator=gen)
+    w_gate, w_up = (torch.randn(E, F, D, generator=gen).to(torch.bfloat16) for _ in range(2))
+    w_down = torch.randn(E, D, F, generator=gen).to(torch.bfloat16)
+    g = moe.gates(x, router, k)
+    assert ((g > 0).sum(dim=1) <= k).all()
+    torch.testing.assert_close(g.sum(dim=1), torch.ones(T), atol=1e-5, rtol=0)
+    scores = x.float() @ router.t()
+    top = scores.topk(k + 1).values
+    want = (top[:, :k] - top[:, k:]) / (top[:, :k] - top[:, k:]).sum(1, keepdim=True)
+    torch.testing.assert_close(g.sort(dim=1, descending=True).values[:, :k], want, atol=1e-5, rtol=0)
+    full = moe.routed_experts(x, g, w_gate, w_up, w_down)
+    dense = torch.zeros(T, D)
+    for t in range(T):
+        for e in range(E):
+            act = (torch.nn.functional.silu((w_gate[e] @ x[t]).float()) * (w_up[e] @ x[t]).float()).bfloat16()
+            dense[t] += g[t, e] * (w_down[e] @ act).float()
+    torch.testing.assert_close(full, dense, atol=1e-4, rtol=1e-4)
+    halves = [
+        moe.routed_experts(
+            x, g[:, r * 2 : r * 2 + 2], *(w[r * 2 : r * 2 + 2] for w in (w_gate, w_up, w_down))
+        )
+        for r in range(2)
+    ]
+    torch.testing.assert_close(halves[0] + halves[1], full, atol=1e-5, rtol=1e-5)
+
+
+def test_delayed_forward_matches_reference_flow():
+    """One prefill through the model against the V4.1 flow spelled out with reference.py: each site
+    collapses with the previous site's pre (one-hot on stream 0 first), Engram before layer 1's
+    attention pre, exit collapse with the last pre_mix."""
+    opts = options(prompt_lens=(7,))
+    p = plan(opts)
+    weights = random_weights(p.config, 0, torch.device("cpu"))
+    model = Model(p.config, weights, "cpu", None, 1, p.kv_len)
+    req = Request(0, p.prompts[0], 1)
+    batch, _ = Engine(model, p.policy, 64).build_batch([(req, 7)], 7, decode=False)
+    logits = model.forward(batch, use_sp=False)
+
+    fresh = Model(p.config, weights, "cpu", None, 1, p.kv_len)
+    cfg = p.config
+    stream = fresh.embed[batch.input_ids].unsqueeze(1).expand(-1, 4, -1).contiguous()
+    pre_mix = torch.zeros(7, 4)
+    pre_mix[:, 0] = 1
+    for i, layer in enumerate(fresh.layers):
+        if i in cfg.engram_layers:
+            stream = engram.engram_add(stream, batch.hash_ids, *layer["engram"])
+        for site, sublayer in (
+            ("attn_mix", lambda li, i=i: fresh.attention(i, li, batch)),
+            ("ffn_mix", lambda li, i=i: fresh.ffn(i, li)),
+        ):
+            layer_input, post_mix, res_mix, pre_mix_next = ref.mhc_pre(
+                stream, *layer[site], pre_mix, *cfg.eps
+            )
+            stream = ref.mhc_post(sublayer(layer_input), stream, post_mix, res_mix)
+            pre_mix = pre_mix_next
+    h = ref.collapse(stream, pre_mix)[batch.sample_idx].float()
+    h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + cfg.norm_eps) * fresh.norm_weight
+    torch.testing.assert_close(logits, h @ fresh.lm_head.t(), atol=0, rtol=0)  # same ops, same order
+
+
+# ----------------------------------------------------------------------------- stage boundary
+def boundary_round_trip(rank: int, world_size: int) -> None:
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, padded, hc, D = 5, 8, 4, 16
+    full_stream = torch.randn(padded, hc, D, generator=gen).to(torch.bfloat16)
+    full_pre = torch.rand(padded, hc, generator=gen)
+    full_stream[num_tokens:], full_pre[num_tokens:] = 0, 0  # pad rows are zero
+    rows = slice(rank * padded // world_size, (rank + 1) * padded // world_size)
+    with Communicator(max_tokens=padded, hidden_size=D) as comm:
+        for use_sp in (True, False):
+            local = [full_stream[rows].clone(), full_pre[rows].clone()] if use_sp else [full_stream, full_pre]
+            sent = pipeline.stage_exit(local, num_tokens, use_sp, comm)
+            assert torch.equal(sent[0], full_stream[:num_tokens]) and torch.equal(
+                sent[1], full_pre[:num_tokens]
+            )
+            back = pipeline.stage_entry(sent, padded, use_sp, comm)
+            assert all(torch.equal(b, t) for b, t in zip(back, local, strict=True)), use_sp
+
+
+def test_stage_boundary_trims_and_reshards_exactly():
+    run_distributed(2, boundary_round_trip)
+
+
+# ----------------------------------------------------------------------------- end to end
+# name -> (options, the SP modes its steps must show, reference key)
+CASES = {
+    "pp2-tp2-sp": (options(tp=2, pp=2, sp_threshold=16), {True, False}, "dense"),
+    "pp2-tp2-nosp": (options(tp=2, pp=2, sp_threshold=None), {False}, "dense"),
+    "pp2-tp2-sp-moe": (options(tp=2, pp=2, sp_threshold=8, num_experts=4), {True}, "moe"),
+    "pp2-tp2-sp-v4": (options(arch="v4", tp=2, pp=2, sp_threshold=8), {True}, "v4"),
+    "pp2-tp1": (options(tp=1, pp=2, sp_threshold=None), {False}, "dense"),
+    "pp2-tp1-moe": (
+        options(tp=1, pp=2, sp_threshold=None, num_experts=4, max_tokens_per_step=12),
+        {False},
+        "moe",
+    ),
+    "tp2-sp-moe-chunked": (options(tp=2, sp_threshold=8, num_experts=4, max_tokens_per_step=12), None, "moe"),
+}
+REFERENCES = {
+    "dense": options(sp_threshold=None),
+    "moe": options(sp_threshold=None, num_experts=4),
+    "v4": options(arch="v4", sp_threshold=None),
+}
+
+
+def run_configs(rank: int, world_size: int, configs: list[RunOptions]) -> list:
+    return [worker(rank, world_size, opts) for opts in configs]
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    return {name: worker(0, 1, opts) for name, opts in REFERENCES.items()}
+
+
+@pytest.fixture(scope="module")
+def layouts() -> dict:
+    """rank 0's results per case: one spawn per world size."""
+    out = {}
+    for world in sorted({o.tp * o.pp for o, _, _ in CASES.values()}):
+        names = [n for n, (o, _, _) in CASES.items() if o.tp * o.pp == world]
+        results = run_distributed(world, run_configs, [CASES[n][0] for n in names], timeout=180)
+        assert all(r == [None] * len(names) for r in results[1:])
+        out.update(zip(names, results[0], strict=True))
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_one_process(references, layouts, name):
+    opts, modes, ref_name = CASES[name]
+    results = layouts[name]
+    seen = {use_sp for use_sp, _ in assert_policy_steps(results, opts)}
+    assert seen == modes if modes is not None else True in seen
+    assert_matches(results, references[ref_name])
+
+
+def test_engram_and_experts_move_the_logits(references):
+    """The comparisons above can see a skipped Engram (e.g. on a stage's first layer) or dropped
+    experts: either moves the logits by more than the tolerance."""
+    without_engram = worker(0, 1, options(sp_threshold=None, engram_layers=()))
+    assert not compare(without_engram, references["dense"])["ok"]
+    assert not compare(references["moe"], references["dense"])["ok"]
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(tp=2, pp=3), r"pp = 3 must be in \[1, num_layers = 2\]"),
+        (dict(tp=1, sp_threshold=8), "needs --tp > 1"),
+        (dict(tp=4, num_experts=6), "num_experts = 6 is not divisible by tp = 4"),
+        (dict(num_experts=2), "moe_top_k = 2 must be below num_experts = 2"),
+        (dict(engram_layers=(2,)), "engram_layers"),
+        (dict(device="cpu", pp=2, graphs=True), "CUDA graphs"),
+    ],
+)
+def test_impossible_configs_raise(changes, match):
+    with pytest.raises(ValueError, match=match):
+        plan(options(**changes))
