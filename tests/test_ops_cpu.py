@@ -199,7 +199,7 @@ def test_partial_buffer_tp1(mhc, comm1):
 
 # ----------------------------------------------------------------------------- opcheck
 def opcheck_inputs(mhc, tp_size: int = 1) -> dict:
-    T, D = 4, 8
+    T, D = 4, 64  # D = the comm1 fixture's hidden_size
     post_mix, res_mix = mhc.mixes(T)
     return {
         "stream": mhc.stream(T, D),
@@ -265,7 +265,7 @@ def test_opcheck(mhc, comm1, case):
 
 
 def _opcheck_tp2(rank, world_size, inputs):
-    with Communicator(max_tokens=64, hidden_size=8) as comm:
+    with Communicator(max_tokens=64, hidden_size=64) as comm:
         cases = opcheck_cases(inputs, comm.handle)
         for name in COMM_CASES:
             torch.library.opcheck(*cases[name])

@@ -78,6 +78,18 @@ def _comm_for(comm: int, num_tokens: int, device: torch.device):
     return c
 
 
+def _comm_for_stream(comm: int, stream: torch.Tensor, sp: bool):
+    """The communicator of a stream op: T (tp * T_local in SP mode) within capacity, D its hidden_size."""
+    c = lookup(comm)
+    _comm_for(comm, stream.shape[0] * (c.tp_size if sp else 1), stream.device)
+    if stream.shape[2] != c.hidden_size:
+        raise ValueError(
+            f"stream's hidden size {stream.shape[2]} differs from the communicator's "
+            f"hidden_size {c.hidden_size}"
+        )
+    return c
+
+
 def _check_sp_partial(partial, stream, c) -> int:
     T_local, _, D = stream.shape
     T = T_local * c.tp_size
@@ -229,7 +241,7 @@ def _(partial, stream, post_mix, res_mix, comm):
 @torch.library.register_kernel(f"{_lib}::mhc_post_rs", "cpu")
 def _(partial, stream, post_mix, res_mix, comm):
     T_local, _, _ = _check_stream(stream)
-    c = _comm_for(comm, T_local * lookup(comm).tp_size, stream.device)
+    c = _comm_for_stream(comm, stream, sp=True)
     T = _check_sp_partial(partial, stream, c)
     _check_post_args(stream, post_mix, res_mix)
     y = _reduce_rows(partial, c, _my_rows(c, T))
@@ -256,7 +268,7 @@ def _pre_ag_cpu(stream, fn, scale, base, norm_weight, pre_mix_in, eps, c):
 def _(stream, fn, scale, base, norm_weight, pre_mix_in, *eps_comm):
     *eps, comm = eps_comm
     T_local, _, _ = _check_stream(stream)
-    c = _comm_for(comm, T_local * lookup(comm).tp_size, stream.device)
+    c = _comm_for_stream(comm, stream, sp=True)
     return _pre_ag_cpu(stream, fn, scale, base, norm_weight, pre_mix_in, eps, c)
 
 
@@ -269,7 +281,7 @@ def _(partial, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_
 def _(partial, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_in, *eps_comm):
     *eps, comm = eps_comm
     T_local, _, _ = _check_stream(stream)
-    c = _comm_for(comm, T_local * lookup(comm).tp_size, stream.device)
+    c = _comm_for_stream(comm, stream, sp=True)
     T = _check_sp_partial(partial, stream, c)
     _check_post_args(stream, post_mix, res_mix)
     _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, eps[3])
@@ -345,7 +357,7 @@ def _(partial, stream, post_mix, res_mix, comm):
 @torch.library.register_kernel(f"{_lib}::mhc_post_ar", "cpu")
 def _(partial, stream, post_mix, res_mix, comm):
     T, _, _ = _check_stream(stream)
-    c = _comm_for(comm, T, stream.device)
+    c = _comm_for_stream(comm, stream, sp=False)
     _check_tp_partial(partial, stream)
     _check_post_args(stream, post_mix, res_mix)
     return ref.mhc_post(_reduce_rows(partial, c, slice(0, T)), stream, post_mix, res_mix)
@@ -360,7 +372,7 @@ def _(partial, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_
 def _(partial, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_in, *eps_comm):
     *eps, comm = eps_comm
     T, _, _ = _check_stream(stream)
-    c = _comm_for(comm, T, stream.device)
+    c = _comm_for_stream(comm, stream, sp=False)
     _check_tp_partial(partial, stream)
     _check_post_args(stream, post_mix, res_mix)
     _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, eps[3])
