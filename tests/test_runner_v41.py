@@ -181,6 +181,11 @@ def test_stage_boundary_trims_and_reshards_exactly():
 # name -> (options, the SP modes its steps must show, reference key)
 CASES = {
     "pp2-tp2-sp": (options(tp=2, pp=2, sp_threshold=16), {True, False}, "dense"),
+    "pp2-tp2-sp-direct": (
+        options(tp=2, pp=2, sp_threshold=16, pp_direct_shards=True),
+        {True, False},
+        "dense",
+    ),
     "pp2-tp2-nosp": (options(tp=2, pp=2, sp_threshold=None), {False}, "dense"),
     "pp2-tp2-sp-moe": (options(tp=2, pp=2, sp_threshold=8, num_experts=4), {True}, "moe"),
     "pp2-tp2-sp-v4": (options(arch="v4", tp=2, pp=2, sp_threshold=8), {True}, "v4"),
@@ -227,6 +232,13 @@ def test_matches_one_process(references, layouts, name):
     seen = {use_sp for use_sp, _ in assert_policy_steps(results, opts)}
     assert seen == modes if modes is not None else True in seen
     assert_matches(results, references[ref_name])
+
+
+def test_direct_shard_transfer_is_identical(layouts):
+    """Rank-to-rank shards between stages (SP steps) must give bitwise the gather/re-shard results."""
+    direct, gathered = layouts["pp2-tp2-sp-direct"], layouts["pp2-tp2-sp"]
+    assert direct["tokens"] == gathered["tokens"]
+    assert all(torch.equal(a, b) for a, b in zip(direct["logits"], gathered["logits"], strict=True))
 
 
 def test_engram_and_experts_move_the_logits(references):

@@ -36,6 +36,11 @@ def parse_args(argv=None) -> RunOptions:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (processes)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (world = tp * pp processes)")
+    p.add_argument(
+        "--pp-direct-shards",
+        action="store_true",
+        help="SP steps send each shard rank to rank between stages (no gather / re-shard; same results)",
+    )
     p.add_argument("--arch", choices=("v4", "v4.1"), default="v4")
     p.add_argument(
         "--engram-layers",

@@ -38,6 +38,7 @@ class RunOptions:
     engram_layers: tuple[int, ...] | None = None
     num_experts: int | None = None
     num_layers: int | None = None
+    pp_direct_shards: bool = False  # SP steps send shards rank to rank between stages (pipeline.py)
     sp_threshold: int | str | None = "auto"
     prompts: int = 4
     prompt_len: int | None = None  # longest synthetic prompt; the others are shorter, varied
@@ -274,7 +275,7 @@ def worker(rank: int, world_size: int, opts: RunOptions) -> dict | None:
     keep_weights = opts.check and rank == 0  # for the one-process reference run
     comm, stage, group = None, None, None
     if opts.pp > 1:
-        stage, group = make_stage(rank, opts.tp, opts.pp, config.num_layers)
+        stage, group = make_stage(rank, opts.tp, opts.pp, config.num_layers, opts.pp_direct_shards)
     if opts.tp > 1:
         from ..comm import Communicator
 

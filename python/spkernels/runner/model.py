@@ -204,11 +204,14 @@ class Model:
         """-> (stream, pre_mix): the embedding on the first stage, else what the previous stage sent."""
         T, hc, dim = batch.input_ids.shape[0], self.config.hc, self.config.hidden_size
         if not self.first_stage:
-            specs = [((batch.num_tokens, hc, dim), torch.bfloat16)]
+            direct = use_sp and self.stage.direct_shards
+            rows = T // self.tp_size if direct else batch.num_tokens
+            specs = [((rows, hc, dim), torch.bfloat16)]
             if self.delayed:
-                specs.append(((batch.num_tokens, hc), torch.float32))
+                specs.append(((rows, hc), torch.float32))
             received = pipeline.recv(specs, self.stage.world_rank(self.stage.index - 1), self.device)
-            received = pipeline.stage_entry(received, T, use_sp, self.comm)
+            if not direct:
+                received = pipeline.stage_entry(received, T, use_sp, self.comm)
             return received[0], received[1] if self.delayed else None
         hidden = self.embed[batch.input_ids]
         if use_sp:  # shard the [T, D] embedding rather than the 4x larger stream: same rows
@@ -224,7 +227,8 @@ class Model:
         """Last stage: logits of the sampled rows; other stages: send the stream (and pre_mix) on."""
         if not self.last_stage:
             out = [stream] + ([pre_mix] if self.delayed else [])
-            out = pipeline.stage_exit(out, batch.num_tokens, use_sp, self.comm)
+            if not (use_sp and self.stage.direct_shards):
+                out = pipeline.stage_exit(out, batch.num_tokens, use_sp, self.comm)
             pipeline.send(out, self.stage.world_rank(self.stage.index + 1))
             return None
         if self.delayed:  # reference.collapse: bf16(sum_i w_i X_i) in fp32, w the last pre_mix

@@ -5,8 +5,11 @@ delayed mode, the pre_mix the next site collapses with) goes to the next stage's
 ``torch.distributed`` send/recv (gloo on CPU, NCCL on GPU). Under SP the exit gathers both and trims
 them to the true token count, and the entry pads them back to the step's padded count and shards
 them (SPEC.md §4), so the wire carries no pad rows and the two stages need not agree on a layout.
-The last stage samples; its tokens (and logits, when recorded) are broadcast to every rank, which
-all run the same schedule in lock-step.
+With ``direct_shards`` (both stages have the same tp, always true here) an SP step instead sends each
+rank's shard straight to its peer: the same padded count and tp give the same shard layout, so the
+result is bitwise identical and the gather, trim, pad and shard disappear. The last stage samples;
+its tokens (and logits, when recorded) are broadcast to every rank, which all run the same schedule
+in lock-step.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class Stage:
     tp_size: int
     tp_rank: int
     layers: range
+    direct_shards: bool = False  # SP steps: send each shard to the peer rank, no gather / re-shard
 
     @property
     def first(self) -> bool:
@@ -45,7 +49,7 @@ class Stage:
         return stage * self.tp_size + self.tp_rank
 
 
-def make_stage(rank: int, tp_size: int, pp_size: int, num_layers: int):
+def make_stage(rank: int, tp_size: int, pp_size: int, num_layers: int, direct_shards: bool = False):
     """-> (Stage, this stage's process group or None for tp = 1). Collective over the world group:
     every rank creates every stage's group, in the same order."""
     stage, tp_rank = divmod(rank, tp_size)
@@ -55,7 +59,8 @@ def make_stage(rank: int, tp_size: int, pp_size: int, num_layers: int):
             g = dist.new_group(ranks=list(range(s * tp_size, (s + 1) * tp_size)))
             if s == stage:
                 group = g
-    return Stage(stage, pp_size, tp_size, tp_rank, stage_layers(num_layers, pp_size, stage)), group
+    layers = stage_layers(num_layers, pp_size, stage)
+    return Stage(stage, pp_size, tp_size, tp_rank, layers, direct_shards), group
 
 
 # ----------------------------------------------------------------------------- stage boundary
