@@ -263,3 +263,38 @@ def test_engram_and_experts_move_the_logits(references):
 def test_impossible_configs_raise(changes, match):
     with pytest.raises(ValueError, match=match):
         plan(options(**changes))
+
+
+# ----------------------------------------------------------------------------- GPU (skipped without)
+requires_two_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
+)
+GPU_CASES = {
+    # NCCL send/recv between stages; graphs are off with pp > 1 (eager hand-over)
+    "gpu-pp2-tp1": (options(device="cuda", tp=1, pp=2, sp_threshold=None), "dense"),
+    "gpu-pp2-tp1-moe": (options(device="cuda", tp=1, pp=2, sp_threshold=None, num_experts=4), "moe"),
+    # SP engages inside the captured decode graphs (bucket 8 >= threshold); Engram ids are a static input
+    "gpu-tp2-sp-graphs": (options(device="cuda", tp=2, sp_threshold=8, check_graphs=True), "dense"),
+    "gpu-tp2-sp-moe-graphs": (
+        options(device="cuda", tp=2, sp_threshold=8, num_experts=4, check_graphs=True),
+        "moe",
+    ),
+}
+
+
+@pytest.mark.gpu
+@requires_two_gpus
+def test_gpu_matches_one_process():
+    refs = {
+        k: worker(0, 1, dataclasses.replace(o, device="cuda", graphs=False)) for k, o in REFERENCES.items()
+    }
+    names = list(GPU_CASES)
+    results = run_distributed(2, run_configs, [GPU_CASES[n][0] for n in names], backend="nccl", timeout=300)
+    for name, got in zip(names, results[0], strict=True):
+        opts, ref_name = GPU_CASES[name]
+        assert_policy_steps(got, opts)
+        if opts.check_graphs:
+            assert got["stats"]["graph_steps"] > 0, name
+            largest = max(lg.abs().max().item() for lg in refs[ref_name]["logits"])
+            assert got["stats"]["graph_max_diff"] <= largest * 2**-8, name
+        assert_matches(got, refs[ref_name])
