@@ -5,9 +5,8 @@ On the GPU machine:
       --set full --import-source yes python3 scripts/profile_tile.py
 """
 
-import torch
-
 import spkernels  # noqa: F401
+import torch
 
 ops = torch.ops.spkernels
 D = 4096
