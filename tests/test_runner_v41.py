@@ -2,7 +2,8 @@
 MoE and pipeline stages. PP2xTP2 (4 processes) and PP2xTP1, with SP on and off, give the one-process
 greedy tokens and logits; Engram sits on stage 1's first layer; prompts are not tp multiples. Plus
 plain-math checks of the Engram add, the MoE gate and experts, the delayed-mode forward, and the
-stage boundary's trim and re-shard."""
+stage boundary's trim and re-shard. Microbatched pipelines (--microbatches 2, 3) give bitwise the
+tokens and logits of one forward per step."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from spkernels.runner import (
     random_weights,
     worker,
 )
+from spkernels.runner.__main__ import main, report
+from spkernels.runner.engine import split_microbatches
 from spkernels.runner.launch import preset_config
 from test_runner import assert_matches, assert_policy_steps
 
@@ -196,6 +199,9 @@ CASES = {
         "moe",
     ),
     "tp2-sp-moe-chunked": (options(tp=2, sp_threshold=8, num_experts=4, max_tokens_per_step=12), None, "moe"),
+    # microbatched pipelines: the prefill step splits into 9 + 42 tokens (9 pads to 10 for SP at tp = 2)
+    "pp2-tp2-sp-mb2": (options(tp=2, pp=2, sp_threshold=8, microbatches=2), {True, False}, "dense"),
+    "pp2-tp1-mb3": (options(tp=1, pp=2, sp_threshold=None, microbatches=3), {False}, "dense"),
 }
 REFERENCES = {
     "dense": options(sp_threshold=None),
@@ -229,7 +235,10 @@ def layouts() -> dict:
 def test_matches_one_process(references, layouts, name):
     opts, modes, ref_name = CASES[name]
     results = layouts[name]
-    seen = {use_sp for use_sp, _ in assert_policy_steps(results, opts)}
+    if opts.microbatches > 1:
+        seen = assert_policy_forwards(results, opts)
+    else:
+        seen = {use_sp for use_sp, _ in assert_policy_steps(results, opts)}
     assert seen == modes if modes is not None else True in seen
     assert_matches(results, references[ref_name])
 
@@ -258,11 +267,116 @@ def test_engram_and_experts_move_the_logits(references):
         (dict(num_experts=2), "moe_top_k = 2 must be below num_experts = 2"),
         (dict(engram_layers=(2,)), "engram_layers"),
         (dict(device="cpu", pp=2, graphs=True), "CUDA graphs"),
+        (dict(pp=2, microbatches=0), "--microbatches must be an int >= 1"),
+        (dict(microbatches=-2), "--microbatches must be an int >= 1"),
+        (dict(microbatches=1.5), "--microbatches must be an int >= 1"),
     ],
 )
 def test_impossible_configs_raise(changes, match):
     with pytest.raises(ValueError, match=match):
         plan(options(**changes))
+
+
+# ----------------------------------------------------------------------------- microbatches
+def assert_policy_forwards(results: dict, opts: RunOptions) -> set[bool]:
+    """Every microbatch forward padded and dispatched by the policy from its own count, at most
+    ``opts.microbatches`` per step, adding up to the step's tokens; -> the SP modes seen."""
+    p = plan(opts)
+    per_step = [0] * len(results["steps"])
+    tokens = [0] * len(results["steps"])
+    for step, num_tokens, padded, use_sp, graph, decode in results["forwards"]:
+        assert padded == p.policy.pad(num_tokens, uniform_decode=decode)
+        assert use_sp == p.policy.use_sp(padded) and not graph
+        assert decode == (results["steps"][step][4] == 0)  # every forward takes its step's path
+        per_step[step] += 1
+        tokens[step] += num_tokens
+    assert tokens == [s[0] for s in results["steps"]]
+    assert max(per_step) == opts.microbatches and all(1 <= n <= opts.microbatches for n in per_step)
+    assert results["stats"]["microbatches"] == len(results["forwards"])
+    return {f[3] for f in results["forwards"]}
+
+
+def test_split_microbatches_keeps_requests_whole():
+    reqs = [Request(i, [1] * 50, 1) for i in range(5)]
+    entries = list(zip(reqs, [1, 3, 5, 40, 2], strict=True))
+    assert [[r.index for r, _ in g] for g in split_microbatches(entries, 2)] == [[0, 1, 2], [3, 4]]
+    assert [[r.index for r, _ in g] for g in split_microbatches(entries, 3)] == [[0, 1, 2], [3], [4]]
+    assert split_microbatches(entries, 1) == [entries]
+    for m in range(1, 8):  # contiguous, in order, whole entries, never more groups than asked or entries
+        groups = split_microbatches(entries, m)
+        assert [e for g in groups for e in g] == entries and 1 <= len(groups) <= min(m, len(entries))
+    decode = [(r, 1) for r in reqs]
+    assert [len(g) for g in split_microbatches(decode, 2)] == [2, 3]
+
+
+_matmul = torch.Tensor.__matmul__
+
+
+def _row_invariant_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # CPU fp32 GEMM (one thread, as in run_distributed) rounds a row differently when the product has
+    # at most 3 rows than when it has 8 (measured): the same token's fp32 mixing projection
+    # (reference.py) then differs by an ulp between a forward of 2 rows and one of 8, and bf16
+    # roundings downstream can flip. Padding small fp32 products to 16 rows takes that kernel choice
+    # out, so the bitwise checks see only what microbatching itself changes.
+    if a.dim() == 2 and a.dtype == torch.float32 and 0 < a.shape[0] < 16:
+        rows = a.shape[0]
+        return _matmul(torch.cat([a, a.new_zeros(16 - rows, a.shape[1])]), b)[:rows]
+    return _matmul(a, b)
+
+
+def run_row_invariant(rank: int, world_size: int, configs: list[RunOptions]) -> list:
+    torch.Tensor.__matmul__ = _row_invariant_matmul  # a spawned rank: gone with the process
+    return run_configs(rank, world_size, configs)
+
+
+# name -> options; each *-mb<M> run must equal bitwise the run named without the suffix
+BITWISE = {
+    "pp2-tp1": options(tp=1, pp=2, sp_threshold=None),
+    "pp2-tp1-mb2": options(tp=1, pp=2, sp_threshold=None, microbatches=2),
+    "pp2-tp1-mb3": options(tp=1, pp=2, sp_threshold=None, microbatches=3),
+    # SP at 8: one forward of 51 tokens (SP) becomes 9 (padded to 10, SP) + 42 (SP); decode 5 -> 2 + 3
+    "pp2-tp2-sp": options(tp=2, pp=2, sp_threshold=8),
+    "pp2-tp2-sp-mb2": options(tp=2, pp=2, sp_threshold=8, microbatches=2),
+    "pp2-tp2-sp-mb3": options(tp=2, pp=2, sp_threshold=8, microbatches=3),
+    # SP at 16 with rank-to-rank shards: 9 tokens go TP, 40 SP, 2 TP: the stages switch mode mid-step
+    "pp2-tp2-direct": options(tp=2, pp=2, sp_threshold=16, pp_direct_shards=True),
+    "pp2-tp2-direct-mb3": options(tp=2, pp=2, sp_threshold=16, pp_direct_shards=True, microbatches=3),
+}
+
+
+@pytest.fixture(scope="module")
+def bitwise_layouts() -> dict:
+    out = {}
+    for world in (2, 4):
+        names = [n for n, o in BITWISE.items() if o.tp * o.pp == world]
+        results = run_distributed(world, run_row_invariant, [BITWISE[n] for n in names], timeout=180)
+        out.update(zip(names, results[0], strict=True))
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n in BITWISE if "-mb" in n])
+def test_microbatches_bitwise_match_one_forward(references, bitwise_layouts, name):
+    opts = BITWISE[name]
+    got, one = bitwise_layouts[name], bitwise_layouts[name.rsplit("-mb", 1)[0]]
+    modes = assert_policy_forwards(got, opts)
+    assert modes == ({True, False} if opts.tp > 1 else {False})
+    if opts.sp_threshold == 8:  # an SP forward whose requests' tokens are not a multiple of tp
+        assert any(f[3] and f[1] % opts.tp for f in got["forwards"])
+    assert got["tokens"] == one["tokens"]
+    assert all(torch.equal(a, b) for a, b in zip(got["logits"], one["logits"], strict=True))
+    assert_matches(got, references["dense"])
+
+
+def test_microbatch_count_is_reported(bitwise_layouts, capsys):
+    assert report(bitwise_layouts["pp2-tp1-mb3"])
+    out = capsys.readouterr().out
+    n = len(bitwise_layouts["pp2-tp1-mb3"]["forwards"])
+    assert f"microbatches: {n} forwards in " in out and "(--microbatches 3;" in out
+
+
+def test_cli_rejects_bad_microbatches(capsys):
+    assert main(["--device", "cpu", "--pp", "2", "--microbatches", "0"]) == 2
+    assert "--microbatches must be an int >= 1" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- GPU (skipped without)
@@ -273,6 +387,7 @@ GPU_CASES = {
     # NCCL send/recv between stages; graphs are off with pp > 1 (eager hand-over)
     "gpu-pp2-tp1": (options(device="cuda", tp=1, pp=2, sp_threshold=None), "dense"),
     "gpu-pp2-tp1-moe": (options(device="cuda", tp=1, pp=2, sp_threshold=None, num_experts=4), "moe"),
+    "gpu-pp2-tp1-mb3": (options(device="cuda", tp=1, pp=2, sp_threshold=None, microbatches=3), "dense"),
     # SP engages inside the captured decode graphs (bucket 8 >= threshold); Engram ids are a static input
     "gpu-tp2-sp-graphs": (options(device="cuda", tp=2, sp_threshold=8, check_graphs=True), "dense"),
     "gpu-tp2-sp-moe-graphs": (
@@ -292,7 +407,10 @@ def test_gpu_matches_one_process():
     results = run_distributed(2, run_configs, [GPU_CASES[n][0] for n in names], backend="nccl", timeout=300)
     for name, got in zip(names, results[0], strict=True):
         opts, ref_name = GPU_CASES[name]
-        assert_policy_steps(got, opts)
+        if opts.microbatches > 1:
+            assert_policy_forwards(got, opts)
+        else:
+            assert_policy_steps(got, opts)
         if opts.check_graphs:
             assert got["stats"]["graph_steps"] > 0, name
             largest = max(lg.abs().max().item() for lg in refs[ref_name]["logits"])

@@ -2,6 +2,7 @@
 
 python -m spkernels.runner --device cpu --tp 2 --sp-threshold 8 --prompts 4 --gen 8 --check
 python -m spkernels.runner --device cpu --arch v4.1 --tp 2 --pp 2 --num-experts 4 --sp-threshold 8 --check
+python -m spkernels.runner --device cpu --arch v4.1 --pp 2 --microbatches 3 --check
 torchrun --nproc-per-node 2 -m spkernels.runner --device cuda --tp 2 --preset v4-flash-like
 """
 
@@ -40,6 +41,14 @@ def parse_args(argv=None) -> RunOptions:
         "--pp-direct-shards",
         action="store_true",
         help="SP steps send each shard rank to rank between stages (no gather / re-shard; same results)",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=1,
+        metavar="M",
+        help="split each step's requests into up to M forwards (whole requests each) so pipeline stages "
+        "overlap (1: one forward per step)",
     )
     p.add_argument("--arch", choices=("v4", "v4.1"), default="v4")
     p.add_argument(
@@ -115,6 +124,13 @@ def parse_args(argv=None) -> RunOptions:
 def report(results: dict) -> bool:
     stats = results["stats"]
     print(f"steps: {stats['steps']} ({stats['sp_steps']} SP, {stats['graph_steps']} graph replays)")
+    print(
+        f"microbatches: {stats['microbatches']} forwards in {stats['steps']} steps "
+        f"(--microbatches {stats['max_microbatches']}; a step never splits a request)"
+    )
+    generated = sum(len(t) for t in results["tokens"])
+    if stats["seconds"]:
+        print(f"throughput: {generated / stats['seconds']:.1f} generated tokens/s ({stats['seconds']:.3f} s)")
     print(f"prefill: {stats['prefill_tokens']} tokens, {stats['prefill_tokens_per_s']:.1f} tokens/s")
     print(
         f"decode: {stats['decode_ms_per_step']:.3f} ms/token ({stats['decode_steps']} steps, "

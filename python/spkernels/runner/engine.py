@@ -5,6 +5,12 @@ SPPolicy pads the step (a pure-decode batch to a capture size, an SP forward to 
 and decides SP vs TP from the padded count alone. Pure-decode steps whose padded count was captured
 replay a CUDA graph (FULL_DECODE_ONLY); everything else runs eagerly. The schedule depends only on
 lengths, never on token values, so every rank runs the same steps in lock-step.
+
+With ``microbatches`` M > 1 a step's requests are split into up to M contiguous groups of whole
+requests, each its own forward with its own padded count and SP decision; with pipeline stages the
+forwards overlap (pipeline.py). A request's tokens never straddle two forwards and all forwards of a
+step take the step's attention path (decode or prefill), so each request sees exactly what it would
+in one forward.
 """
 
 from __future__ import annotations
@@ -43,12 +49,25 @@ class Request:
 
 @dataclass
 class StepInfo:
+    """One step. With microbatches: ``padded`` sums the forwards' padded counts, ``use_sp`` is whether
+    any forward ran SP, ``graph`` whether all replayed a graph (ForwardInfo has each forward)."""
+
     num_tokens: int
     padded: int
     use_sp: bool
     graph: bool
     prefill_tokens: int
     seconds: float
+
+
+@dataclass
+class ForwardInfo:
+    step: int  # index into Engine.steps
+    num_tokens: int
+    padded: int
+    use_sp: bool
+    graph: bool
+    prefill_tokens: int
 
 
 def schedule(requests: list[Request], budget: int) -> list[tuple[Request, int]]:
@@ -66,6 +85,19 @@ def schedule(requests: list[Request], budget: int) -> list[tuple[Request, int]]:
     return entries
 
 
+def split_microbatches(entries: list[tuple[Request, int]], num_microbatches: int) -> list[list]:
+    """Up to ``num_microbatches`` contiguous groups of whole entries, balanced by token count: each entry
+    joins the group its middle token falls in (fewer groups when there are fewer entries)."""
+    total = sum(count for _, count in entries)
+    groups = [[] for _ in range(num_microbatches)]
+    done = 0
+    for entry in entries:
+        count = entry[1]
+        groups[min(num_microbatches - 1, (2 * done + count) * num_microbatches // (2 * total))].append(entry)
+        done += count
+    return [group for group in groups if group]
+
+
 class Engine:
     def __init__(
         self,
@@ -75,17 +107,24 @@ class Engine:
         record_logits=False,
         check_graphs=False,
         log=None,
+        microbatches: int = 1,
     ):
         if policy.tp_size != model.tp_size:
             raise ValueError(f"policy.tp_size = {policy.tp_size} but the model runs on tp = {model.tp_size}")
         if not isinstance(max_tokens_per_step, int) or max_tokens_per_step < 1:
             raise ValueError(f"max_tokens_per_step must be a positive int, got {max_tokens_per_step!r}")
+        if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+            raise ValueError(
+                f"microbatches must be an int >= 1 (1: each step is one forward), got {microbatches!r}"
+            )
         self.model, self.policy, self.max_tokens_per_step = model, policy, max_tokens_per_step
+        self.microbatches = microbatches
         self.device = model.device
         self.record_logits, self.check_graphs, self.log = record_logits, check_graphs, log
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Batch, torch.Tensor]] = {}
         self.graph_max_diff = 0.0
         self.steps: list[StepInfo] = []
+        self.forwards: list[ForwardInfo] = []
 
     # ------------------------------------------------------------------ batches
     def _tensor(self, values):
@@ -148,6 +187,8 @@ class Engine:
         requests can land on; largest first so the smaller ones reuse its memory pool."""
         if self.device.type != "cuda":
             raise ValueError("CUDA graphs need --device cuda")
+        if self.microbatches > 1:
+            raise ValueError("CUDA graphs replay whole decode steps: they need microbatches = 1")
         largest = self.policy.graph_size(max_batch, True) or self.policy.max_capture_size
         sizes = [s for s in self.policy.capture_sizes if s <= largest]
         pool = None
@@ -182,25 +223,53 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _forward(self, batch: Batch, use_sp: bool, graph: bool, received) -> torch.Tensor | None:
+        """-> a replay's logits, an eager forward's final hidden (Model.head to come), or None."""
+        if not graph:
+            return self.model.forward(batch, use_sp, received, head=False)
+        if self.check_graphs:  # eager first: the replay then leaves its own K/V in the cache
+            eager = self.model.forward(batch, use_sp)[: batch.num_tokens]
+            logits = self._replay(batch)
+            diff = (logits[: batch.num_tokens] - eager).abs().max().item()
+            self.graph_max_diff = max(self.graph_max_diff, diff)
+            return logits
+        return self._replay(batch)
+
     def step(self, requests: list[Request]) -> StepInfo:
         entries = schedule(requests, self.max_tokens_per_step)
-        num_tokens = sum(count for _, count in entries)
-        decode = all(req.decoding for req, _ in entries)
-        padded = self.policy.pad(num_tokens, decode)
-        use_sp = self.policy.use_sp(padded)
-        graph = decode and padded in self.graphs
+        decode = all(req.decoding for req, _ in entries)  # every microbatch takes the step's path
+        forwards = []  # ForwardInfo and entries per microbatch
+        for group in split_microbatches(entries, self.microbatches):
+            num_tokens = sum(count for _, count in group)
+            padded = self.policy.pad(num_tokens, decode)
+            use_sp, graph = self.policy.use_sp(padded), decode and padded in self.graphs
+            forwards.append((ForwardInfo(len(self.steps), num_tokens, padded, use_sp, graph, decode), group))
+        m = self.model
         self._sync()
         begin = time.perf_counter()
-        batch, samples = self.build_batch(entries, padded, decode)
-        if graph and self.check_graphs:  # eager first: the replay then leaves its own K/V in the cache
-            eager = self.model.forward(batch, use_sp)[:num_tokens]
-            logits = self._replay(batch)
-            self.graph_max_diff = max(self.graph_max_diff, (logits[:num_tokens] - eager).abs().max().item())
-        else:
-            logits = self._replay(batch) if graph else self.model.forward(batch, use_sp)
-        if self.model.stage is not None and self.model.stage.pp_size > 1:
+        jobs = [(f, *self.build_batch(group, f.padded, decode)) for f, group in forwards]
+        # A later stage posts every forward's receive first: microbatch k + 1's activations then
+        # arrive while it computes microbatch k (and the stage before it computes k + 2).
+        receives = [m.post_recv(batch, f.use_sp) for f, batch, _ in jobs]
+        samples, hidden, logits = [], [], None
+        for (f, batch, batch_samples), received in zip(jobs, receives, strict=True):
+            out = self._forward(batch, f.use_sp, f.graph, received)
+            samples += batch_samples
+            if out is None:  # a stage before the last
+                continue
+            out = out[: len(batch_samples)]  # a decode forward returns every padded row
+            if f.graph:  # graphs imply one forward per step (capture refuses microbatches)
+                logits = out
+            else:
+                hidden.append(out)
+        m.wait_sends()
+        if hidden:
+            # One LM head over every forward's sampled rows: the same rows in the same order as one
+            # forward, so microbatching leaves even the fp32 logits bitwise unchanged (a GEMM's
+            # rounding may depend on its row count).
+            logits = m.head(hidden[0] if len(hidden) == 1 else torch.cat(hidden))
+        if m.stage is not None and m.stage.pp_size > 1:
             # only the last stage has logits: its tokens (and logits) go to every rank
-            m = self.model
             next_ids, logits = pipeline.share_samples(
                 m.stage, logits, len(samples), m.config.vocab_size, self.device, self.record_logits
             )
@@ -215,7 +284,16 @@ class Engine:
             req.generated.append(next_ids[j])
             if self.record_logits:
                 req.logits.append(logits[j].float().cpu())
-        info = StepInfo(num_tokens, padded, use_sp, graph, prefill, seconds)
+        forwards = [f for f, _ in forwards]
+        self.forwards += forwards
+        info = StepInfo(
+            sum(f.num_tokens for f in forwards),
+            sum(f.padded for f in forwards),
+            any(f.use_sp for f in forwards),
+            all(f.graph for f in forwards),
+            prefill,
+            seconds,
+        )
         self.steps.append(info)
         return info
 
@@ -232,11 +310,15 @@ class Engine:
         while not all(req.done for req in requests):
             info = self.step(requests)
             if self.log:
-                kind = "graph" if info.graph else "eager"
-                mode = "SP" if info.use_sp else "TP"
+                forwards = [f for f in self.forwards if f.step == len(self.steps) - 1]
+                parts = ", ".join(
+                    f"T={f.padded} {'SP' if f.use_sp else 'TP'} {'graph' if f.graph else 'eager'}"
+                    for f in forwards
+                )
+                split = f" in {len(forwards)} microbatches" if len(forwards) > 1 else ""
                 self.log(
-                    f"step {len(self.steps)}: {info.num_tokens} tokens (prefill {info.prefill_tokens}) "
-                    f"-> T={info.padded} {mode} {kind} {info.seconds * 1e3:.2f} ms"
+                    f"step {len(self.steps)}: {info.num_tokens} tokens (prefill {info.prefill_tokens})"
+                    f"{split} -> {parts} {info.seconds * 1e3:.2f} ms"
                 )
             if progress:
                 progress(sum(len(r.generated) for r in requests))
@@ -248,6 +330,9 @@ class Engine:
         prefill_s = sum(s.seconds for s in prefill)
         return {
             "steps": len(self.steps),
+            "microbatches": len(self.forwards),  # forwards run; up to --microbatches per step
+            "max_microbatches": self.microbatches,
+            "seconds": sum(s.seconds for s in self.steps),
             "sp_steps": sum(s.use_sp for s in self.steps),
             "graph_steps": sum(s.graph for s in self.steps),
             "prefill_tokens": sum(s.prefill_tokens for s in prefill),

@@ -39,6 +39,7 @@ class RunOptions:
     num_experts: int | None = None
     num_layers: int | None = None
     pp_direct_shards: bool = False  # SP steps send shards rank to rank between stages (pipeline.py)
+    microbatches: int = 1  # forwards per step (whole requests each); stages overlap them (engine.py)
     sp_threshold: int | str | None = "auto"
     prompts: int = 4
     prompt_len: int | None = None  # longest synthetic prompt; the others are shorter, varied
@@ -93,6 +94,10 @@ def plan(opts: RunOptions, config: ModelConfig | None = None) -> Plan:
         raise ValueError(f"--tp must be >= 1, got {opts.tp}")
     if not isinstance(opts.pp, int) or opts.pp < 1:
         raise ValueError(f"--pp must be >= 1, got {opts.pp}")
+    if not isinstance(opts.microbatches, int) or isinstance(opts.microbatches, bool) or opts.microbatches < 1:
+        raise ValueError(
+            f"--microbatches must be an int >= 1 (1: each step is one forward), got {opts.microbatches!r}"
+        )
     if opts.device not in ("cpu", "cuda"):
         raise ValueError(f"--device must be cpu or cuda, got {opts.device!r}")
     world = opts.tp * opts.pp
@@ -107,12 +112,18 @@ def plan(opts: RunOptions, config: ModelConfig | None = None) -> Plan:
         )
     if not isinstance(opts.gen, int) or opts.gen < 1:
         raise ValueError(f"--gen must be >= 1 (tokens to generate per request), got {opts.gen!r}")
-    graphs = opts.device == "cuda" and opts.pp == 1 if opts.graphs is None else opts.graphs
+    graphs = opts.graphs
+    if graphs is None:  # on by default where they can run: one forward per step, no pipeline hand-over
+        graphs = opts.device == "cuda" and opts.pp == opts.microbatches == 1
     if graphs and opts.device != "cuda":
         raise ValueError("CUDA graphs need --device cuda")
     if graphs and opts.pp > 1:
         raise ValueError(
             "CUDA graphs with --pp > 1: stages hand activations over with eager send/recv; use --no-graphs"
+        )
+    if graphs and opts.microbatches > 1:
+        raise ValueError(
+            "CUDA graphs with --microbatches > 1: a graph replays a whole decode step; use --no-graphs"
         )
     if config is None:
         config = _load_config(opts)
@@ -172,7 +183,9 @@ def _peak_memory(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _generate(model, plan_: Plan, opts: RunOptions, policy: SPPolicy, graphs: bool, log, record: bool):
+def _generate(
+    model, plan_: Plan, opts: RunOptions, policy: SPPolicy, graphs: bool, log, record: bool, microbatches=1
+):
     engine = Engine(
         model,
         policy,
@@ -180,17 +193,20 @@ def _generate(model, plan_: Plan, opts: RunOptions, policy: SPPolicy, graphs: bo
         record_logits=record,
         check_graphs=opts.check_graphs and graphs,
         log=log,
+        microbatches=microbatches,
     )
     if graphs:
         engine.capture(min(len(plan_.prompts), opts.max_tokens_per_step))
     for _ in range(opts.warmup):  # untimed: first-call costs (cuBLAS heuristics, allocator) stay out
         engine.generate(plan_.prompts, opts.gen)
     engine.steps.clear()
+    engine.forwards.clear()
     progress = ProgressBar(len(plan_.prompts) * opts.gen) if log else None
     requests = engine.generate(plan_.prompts, opts.gen, progress)
     if progress:
         progress.close()
-    return requests, engine.stats(), [dataclasses.astuple(s) for s in engine.steps]
+    forwards = [dataclasses.astuple(f) for f in engine.forwards]
+    return requests, engine.stats(), [dataclasses.astuple(s) for s in engine.steps], forwards
 
 
 class ProgressBar:
@@ -290,12 +306,14 @@ def worker(rank: int, world_size: int, opts: RunOptions) -> dict | None:
         if log:
             log(
                 f"{config.arch}: {config.num_layers} layers, D={config.hidden_size}, tp={opts.tp}, "
-                f"pp={opts.pp}, engram at {config.engram_layers}, experts={config.num_experts}, "
-                f"{plan_.policy}, "
+                f"pp={opts.pp}, microbatches<={opts.microbatches}, engram at {config.engram_layers}, "
+                f"experts={config.num_experts}, {plan_.policy}, "
                 f"backend={comm.backend if comm else 'local'}, device={device}"
             )
         record = opts.check or opts.record_logits
-        requests, stats, steps = _generate(model, plan_, opts, plan_.policy, plan_.graphs, log, record)
+        requests, stats, steps, forwards = _generate(
+            model, plan_, opts, plan_.policy, plan_.graphs, log, record, opts.microbatches
+        )
         del model
         tokens = [r.generated for r in requests]
         memory = [_peak_memory(device)]
@@ -315,11 +333,12 @@ def worker(rank: int, world_size: int, opts: RunOptions) -> dict | None:
         "stats": stats,
         "peak_memory": memory,
         "steps": steps,
+        "forwards": forwards,  # (step, num_tokens, padded, use_sp, graph, decode) per microbatch forward
         "logits": [torch.stack(r.logits) if r.logits else torch.empty(0) for r in requests],
     }
     if opts.check:
         ref_model = Model(config, weights, device, None, len(plan_.prompts), plan_.kv_len)
-        ref_requests, _, _ = _generate(ref_model, plan_, opts, SPPolicy(1, None, ()), False, None, True)
+        ref_requests, *_ = _generate(ref_model, plan_, opts, SPPolicy(1, None, ()), False, None, True)
         reference = {
             "tokens": [r.generated for r in ref_requests],
             "logits": [torch.stack(r.logits) for r in ref_requests],

@@ -110,6 +110,7 @@ class Model:
         half = config.head_dim // 2
         self.inv_freq = config.rope_theta ** (-torch.arange(half, device=dev, dtype=torch.float32) / half)
         self.peak_stream_bytes = 0
+        self.pending_sends: list = []  # (work, buffer) of this stage's sends in flight (pipeline.isend)
 
     # ------------------------------------------------------------------ sublayers
     def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -200,18 +201,30 @@ class Model:
         return ops.mhc_post_ar(partial, stream, post_mix, res_mix, self.comm.handle)
 
     # ------------------------------------------------------------------ forward
-    def _enter(self, batch: Batch, use_sp: bool):
-        """-> (stream, pre_mix): the embedding on the first stage, else what the previous stage sent."""
+    def post_recv(self, batch: Batch, use_sp: bool) -> pipeline.Receive | None:
+        """A later stage: post the receive of this forward's stream (and pre_mix) from the previous
+        stage now; posting every microbatch's receive before computing the first lets each transfer
+        overlap the compute of the ones before it. None on the first stage."""
+        if self.first_stage:
+            return None
         T, hc, dim = batch.input_ids.shape[0], self.config.hc, self.config.hidden_size
+        rows = T // self.tp_size if use_sp and self.stage.direct_shards else batch.num_tokens
+        specs = [((rows, hc, dim), torch.bfloat16)]
+        if self.delayed:
+            specs.append(((rows, hc), torch.float32))
+        return pipeline.Receive(specs, self.stage.world_rank(self.stage.index - 1), self.device)
+
+    def wait_sends(self) -> None:
+        """Wait for every send this stage has posted (forward leaves them in flight)."""
+        pipeline.wait_sends(self.pending_sends)
+
+    def _enter(self, batch: Batch, use_sp: bool, received: pipeline.Receive | None):
+        """-> (stream, pre_mix): the embedding on the first stage, else what the previous stage sent."""
+        hc = self.config.hc
         if not self.first_stage:
-            direct = use_sp and self.stage.direct_shards
-            rows = T // self.tp_size if direct else batch.num_tokens
-            specs = [((rows, hc, dim), torch.bfloat16)]
-            if self.delayed:
-                specs.append(((rows, hc), torch.float32))
-            received = pipeline.recv(specs, self.stage.world_rank(self.stage.index - 1), self.device)
-            if not direct:
-                received = pipeline.stage_entry(received, T, use_sp, self.comm)
+            received = (received or self.post_recv(batch, use_sp)).wait()
+            if not (use_sp and self.stage.direct_shards):
+                received = pipeline.stage_entry(received, batch.input_ids.shape[0], use_sp, self.comm)
             return received[0], received[1] if self.delayed else None
         hidden = self.embed[batch.input_ids]
         if use_sp:  # shard the [T, D] embedding rather than the 4x larger stream: same rows
@@ -223,13 +236,14 @@ class Model:
             pre_mix[:, 0] = 1.0
         return stream, pre_mix
 
-    def _exit(self, stream, pre_mix, batch: Batch, use_sp: bool):
-        """Last stage: logits of the sampled rows; other stages: send the stream (and pre_mix) on."""
+    def _exit(self, stream, pre_mix, batch: Batch, use_sp: bool, head: bool):
+        """Last stage: logits (or with ``head`` False the bf16 hidden) of the sampled rows; other stages:
+        send the stream (and pre_mix) on."""
         if not self.last_stage:
             out = [stream] + ([pre_mix] if self.delayed else [])
             if not (use_sp and self.stage.direct_shards):
                 out = pipeline.stage_exit(out, batch.num_tokens, use_sp, self.comm)
-            pipeline.send(out, self.stage.world_rank(self.stage.index + 1))
+            self.pending_sends += pipeline.isend(out, self.stage.world_rank(self.stage.index + 1))
             return None
         if self.delayed:  # reference.collapse: bf16(sum_i w_i X_i) in fp32, w the last pre_mix
             hidden = (pre_mix.unsqueeze(-1) * stream.float()).sum(dim=1).to(torch.bfloat16)
@@ -240,19 +254,28 @@ class Model:
             hidden = ops.sp_all_gather(hidden, batch.num_tokens, self.comm.handle)
         if batch.sample_idx is not None:
             hidden = hidden[batch.sample_idx]
+        return self.head(hidden) if head else hidden
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final RMSNorm and LM head: bf16 hidden [n, D] -> fp32 logits [n, vocab]."""
         h = hidden.float()
         h = h * torch.rsqrt(h.square().mean(dim=-1, keepdim=True) + self.config.norm_eps) * self.norm_weight
         return h @ self.lm_head.t()
 
-    def forward(self, batch: Batch, use_sp: bool) -> torch.Tensor | None:
-        """-> fp32 logits of the sampled rows (None on a pipeline stage before the last). ``use_sp``
-        needs a TP group and T % tp == 0."""
+    def forward(
+        self, batch: Batch, use_sp: bool, received: pipeline.Receive | None = None, head: bool = True
+    ) -> torch.Tensor | None:
+        """-> fp32 logits of the sampled rows (None on a pipeline stage before the last); with ``head``
+        False their bf16 final hidden instead, for ``head`` to run on several forwards' rows. ``use_sp``
+        needs a TP group and T % tp == 0. A later stage takes its input from ``received`` (post_recv)
+        or, when None, receives it now; a stage before the last leaves its send in flight until
+        ``wait_sends``."""
         T = batch.input_ids.shape[0]
         if use_sp and (self.comm is None or T % self.tp_size):
             raise ValueError(
                 f"SP needs a TP group and a padded token count divisible by tp = {self.tp_size}, got T = {T}"
             )
-        stream, pre_mix = self._enter(batch, use_sp)
+        stream, pre_mix = self._enter(batch, use_sp, received)
         self.peak_stream_bytes = max(self.peak_stream_bytes, stream.numel() * stream.element_size())
         hash_ids = batch.hash_ids
         if hash_ids is not None and use_sp:  # hashed on the full sequence; the add is per token
@@ -282,4 +305,4 @@ class Model:
             pending = (self.ffn(i, layer_input), post_mix, res_mix)
         partial, post_mix, res_mix = pending
         stream = self._post(partial, stream, post_mix, res_mix, use_sp)
-        return self._exit(stream, pre_mix, batch, use_sp)
+        return self._exit(stream, pre_mix, batch, use_sp, head)

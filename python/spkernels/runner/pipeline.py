@@ -10,6 +10,12 @@ rank's shard straight to its peer: the same padded count and tp give the same sh
 result is bitwise identical and the gather, trim, pad and shard disappear. The last stage samples;
 its tokens (and logits, when recorded) are broadcast to every rank, which all run the same schedule
 in lock-step.
+
+Microbatches (engine.py) make the stages overlap, GPipe-style: every stage runs a step's microbatches
+in order, sends are non-blocking (``isend``; drained at the end of the step) and a later stage posts
+every microbatch's receive before it computes the first, so stage s works on microbatch k while
+stage s + 1 works on k - 1. Both backends match the point-to-point messages between two ranks in
+posting order, and both sides post them in microbatch order, so no tags are needed.
 """
 
 from __future__ import annotations
@@ -88,18 +94,34 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(-1)
 
 
-def send(tensors: list[torch.Tensor], dst: int) -> None:
-    for t in tensors:
-        dist.send(_as_bytes(t), dst)
+class Receive:
+    """Receives posted now (``irecv``) into fresh tensors of the given (shape, dtype)s; ``wait()``
+    returns them once they have arrived."""
+
+    def __init__(self, specs: list[tuple[tuple[int, ...], torch.dtype]], src: int, device):
+        self.tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
+        self.works = [dist.irecv(_as_bytes(t), src) for t in self.tensors]  # views: irecv fills t
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self.works:
+            work.wait()
+        return self.tensors
 
 
-def recv(specs: list[tuple[tuple[int, ...], torch.dtype]], src: int, device) -> list[torch.Tensor]:
+def isend(tensors: list[torch.Tensor], dst: int) -> list[tuple[dist.Work, torch.Tensor]]:
+    """Non-blocking sends; -> (work, buffer) pairs: the buffers must live until the works are waited on
+    (``wait_sends``), so the next microbatch's compute overlaps the transfer."""
     out = []
-    for shape, dtype in specs:
-        t = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(_as_bytes(t), src)  # a view of t's storage: recv fills t
-        out.append(t)
+    for t in tensors:
+        buf = _as_bytes(t)
+        out.append((dist.isend(buf, dst), buf))
     return out
+
+
+def wait_sends(sends: list[tuple[dist.Work, torch.Tensor]]) -> None:
+    for work, _ in sends:
+        work.wait()
+    sends.clear()
 
 
 def share_samples(
