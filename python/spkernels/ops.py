@@ -330,8 +330,8 @@ def sp_shard_impl(x: torch.Tensor, comm: int) -> torch.Tensor:
     c = lookup(comm)
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise ValueError("x must be a tensor [T, ...]")
-    if x.device.type != c.device.type:
-        raise ValueError(f"comm {comm} is a {c.backend} communicator, got {x.device.type} tensor x")
+    if x.device.type != c.device.type or (x.is_cuda and x.device != c.device):
+        raise ValueError(f"x must be on {c.device} like comm {comm} ({c.backend}), got {x.device}")
     start, end = sp_shard_rows(x.shape[0], c.tp_size, c.rank)
     out = x.new_zeros((end - start, *x.shape[1:]))
     n = max(0, min(end, x.shape[0]) - start)
