@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from spkernels import reference as ref
 from test_cuda_local import MIX_ATOL, expected_layer_input, post_slack
-from test_fuzz_cpu import HC, Case
+from test_fuzz_cpu import Case, assert_other_tokens_identical, bad_cases
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 ops = torch.ops.spkernels
@@ -137,25 +137,6 @@ def test_mhc_head_fuzz(case):
 
 
 # ----------------------------------------------------------------------------- non-finite inputs
-@st.composite
-def bad_cases(draw):
-    """A case of magnitudes that fit fp32, plus a token, some columns and a non-finite value."""
-    case = draw(cases())
-    case.stream_scale = [min(s, 1e3) for s in case.stream_scale]
-    case.y_scale = [min(s, 1e3) for s in case.y_scale]
-    token = draw(st.integers(0, case.num_tokens - 1))
-    cols = draw(st.lists(st.integers(0, case.hidden_size - 1), min_size=1, max_size=3, unique=True))
-    streams = draw(st.lists(st.integers(0, HC - 1), min_size=len(cols), max_size=len(cols)))
-    value = draw(st.sampled_from([float("nan"), float("inf"), float("-inf")]))
-    return case, token, cols, streams, value
-
-
-def assert_other_tokens_identical(got, clean, token: int, name: str) -> None:
-    keep = torch.ones(got.shape[0], dtype=torch.bool, device=got.device)
-    keep[token] = False
-    assert torch.equal(got[keep], clean[keep]), f"{name}: a non-finite token changed other tokens"
-
-
 def check_pre_nonfinite(got, clean, token, cols, fresh: bool, prefix: str = "") -> None:
     for i, name in enumerate(("layer_input", "post_mix", "res_mix", "pre_mix")):
         assert_other_tokens_identical(got[i], clean[i], token, prefix + name)
@@ -169,7 +150,7 @@ def check_pre_nonfinite(got, clean, token, cols, fresh: bool, prefix: str = "") 
 
 
 @FUZZ
-@given(bad_cases())
+@given(bad_cases(cases()))
 def test_mhc_pre_nonfinite_input(bad):
     case, token, cols, streams, value = bad
     clean = cuda(case.stream())[0]
@@ -181,7 +162,7 @@ def test_mhc_pre_nonfinite_input(bad):
 
 
 @FUZZ
-@given(bad_cases(), st.sampled_from(["stream", "y", "mixes"]))
+@given(bad_cases(cases()), st.sampled_from(["stream", "y", "mixes"]))
 def test_mhc_post_nonfinite_input(bad, where):
     case, token, cols, streams, value = bad
     stream, y, post_mix, res_mix = cuda(case.stream(), case.y(), *case.mixes())
@@ -202,7 +183,7 @@ def test_mhc_post_nonfinite_input(bad, where):
 
 
 @FUZZ
-@given(bad_cases(), st.sampled_from(["stream", "y"]))
+@given(bad_cases(cases()), st.sampled_from(["stream", "y"]))
 def test_mhc_post_pre_nonfinite_input(bad, where):
     case, token, cols, streams, value = bad
     stream, y, post_mix, res_mix = cuda(case.stream(), case.y(), *case.mixes())
@@ -222,7 +203,7 @@ def test_mhc_post_pre_nonfinite_input(bad, where):
 
 
 @FUZZ
-@given(bad_cases())
+@given(bad_cases(cases()))
 def test_mhc_head_nonfinite_input(bad):
     case, token, cols, streams, value = bad
     clean = cuda(case.stream())[0]

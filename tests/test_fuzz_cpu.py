@@ -217,9 +217,10 @@ def test_mhc_head_fuzz(case):
 
 # ----------------------------------------------------------------------------- non-finite inputs
 @st.composite
-def bad_cases(draw):
-    """A finite case (magnitudes that fit fp32) plus a token, some columns and a non-finite value."""
-    case = draw(cases())
+def bad_cases(draw, base=None):
+    """A finite case (magnitudes that fit fp32) plus a token, some columns and a non-finite value.
+    ``base``: the strategy of finite cases (default: this file's ``cases()``)."""
+    case = draw(base if base is not None else cases())
     case.stream_scale = [min(s, 1e3) for s in case.stream_scale]
     case.y_scale = [min(s, 1e3) for s in case.y_scale]
     token = draw(st.integers(0, case.num_tokens - 1))
@@ -230,7 +231,7 @@ def bad_cases(draw):
 
 
 def assert_other_tokens_identical(got, clean, token: int, name: str) -> None:
-    keep = torch.ones(got.shape[0], dtype=torch.bool)
+    keep = torch.ones(got.shape[0], dtype=torch.bool, device=got.device)
     keep[token] = False
     assert torch.equal(got[keep], clean[keep]), f"{name}: a non-finite token changed other tokens"
 
