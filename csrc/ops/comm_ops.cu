@@ -9,8 +9,10 @@
 namespace spk {
 namespace {
 
-CommState& comm_for(int64_t handle, const Tensor& t, int64_t num_tokens) {
+// rows: this rank's rows; in SP mode the op's T is tp * rows.
+CommState& comm_for(int64_t handle, const Tensor& t, int64_t rows, bool sp) {
   CommState& c = get_comm(handle);
+  const int64_t num_tokens = sp ? rows * c.world : rows;
   SPK_CHECK(t.is_cuda() && t.get_device() == c.device, "comm ", handle, " lives on cuda:", c.device,
             ", got tensors on ", t.device());
   SPK_CHECK(num_tokens <= c.max_tokens, "T = ", num_tokens,
@@ -18,9 +20,11 @@ CommState& comm_for(int64_t handle, const Tensor& t, int64_t num_tokens) {
   return c;
 }
 
-void check_hidden(const CommState& c, const Tensor& stream) {
+CommState& comm_for_stream(int64_t handle, const Tensor& stream, bool sp) {
+  CommState& c = comm_for(handle, stream, stream.size(0), sp);
   SPK_CHECK(stream.size(2) == c.hidden, "stream's hidden size ", stream.size(2),
             " differs from the communicator's hidden_size ", c.hidden);
+  return c;
 }
 
 // SP partial: [tp * T_local, D] bf16.
@@ -88,8 +92,7 @@ void nccl_gather_in_place(const CommState& c, Tensor& full) {
 Tensor mhc_post_rs_cuda(const Tensor& partial, const Tensor& stream, const Tensor& post_mix, const Tensor& res_mix,
                         int64_t comm) {
   check_stream(stream);
-  CommState& c = comm_for(comm, stream, stream.size(0) * get_comm(comm).world);
-  check_hidden(c, stream);
+  CommState& c = comm_for_stream(comm, stream, true);
   check_sp_partial(c, partial, stream);
   check_post_args(stream, post_mix, res_mix);
   const c10::cuda::CUDAGuard guard(stream.device());
@@ -104,8 +107,7 @@ PreOut mhc_pre_ag_cuda(const Tensor& stream, const Tensor& fn, const Tensor& sca
                        const OptTensor& norm_weight, const OptTensor& pre_mix_in, double rms_eps, double hc_eps,
                        double norm_eps, int64_t sinkhorn_iters, double post_alpha, int64_t comm) {
   check_stream(stream);
-  CommState& c = comm_for(comm, stream, stream.size(0) * get_comm(comm).world);
-  check_hidden(c, stream);
+  CommState& c = comm_for_stream(comm, stream, true);
   check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, sinkhorn_iters);
   const c10::cuda::CUDAGuard guard(stream.device());
   const MhcEps eps = make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha);
@@ -128,8 +130,7 @@ PostPreOut mhc_post_pre_rs_ag_cuda(const Tensor& partial, const Tensor& stream, 
                                    double hc_eps, double norm_eps, int64_t sinkhorn_iters, double post_alpha,
                                    int64_t comm) {
   check_stream(stream);
-  CommState& c = comm_for(comm, stream, stream.size(0) * get_comm(comm).world);
-  check_hidden(c, stream);
+  CommState& c = comm_for_stream(comm, stream, true);
   check_sp_partial(c, partial, stream);
   check_post_args(stream, post_mix, res_mix);
   check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, sinkhorn_iters);
@@ -153,7 +154,7 @@ Tensor sp_all_gather_cuda(const Tensor& x_local, int64_t num_tokens, int64_t com
   SPK_CHECK(x_local.is_cuda() && x_local.dim() >= 1, "x_local must be a CUDA tensor [T_local, ...], got ",
             x_local.sizes(), " on ", x_local.device());
   SPK_CHECK(x_local.is_contiguous(), "x_local must be contiguous, got strides ", x_local.strides());
-  CommState& c = comm_for(comm, x_local, x_local.size(0) * get_comm(comm).world);
+  CommState& c = comm_for(comm, x_local, x_local.size(0), true);
   const int64_t T = x_local.size(0) * c.world;
   SPK_CHECK(num_tokens >= 0 && num_tokens <= T, "num_tokens must be in [0, tp * T_local = ", T, "], got ", num_tokens);
   const c10::cuda::CUDAGuard guard(x_local.device());
@@ -182,8 +183,7 @@ Tensor sp_all_gather_cuda(const Tensor& x_local, int64_t num_tokens, int64_t com
 Tensor mhc_post_ar_cuda(const Tensor& partial, const Tensor& stream, const Tensor& post_mix, const Tensor& res_mix,
                         int64_t comm) {
   check_stream(stream);
-  CommState& c = comm_for(comm, stream, stream.size(0));
-  check_hidden(c, stream);
+  CommState& c = comm_for_stream(comm, stream, false);
   check_tensor("partial", partial, at::kBFloat16, {stream.size(0), stream.size(2)}, stream.device());
   check_post_args(stream, post_mix, res_mix);
   const c10::cuda::CUDAGuard guard(stream.device());
@@ -200,8 +200,7 @@ PostPreOut mhc_post_pre_ar_cuda(const Tensor& partial, const Tensor& stream, con
                                 double hc_eps, double norm_eps, int64_t sinkhorn_iters, double post_alpha,
                                 int64_t comm) {
   check_stream(stream);
-  CommState& c = comm_for(comm, stream, stream.size(0));
-  check_hidden(c, stream);
+  CommState& c = comm_for_stream(comm, stream, false);
   check_tensor("partial", partial, at::kBFloat16, {stream.size(0), stream.size(2)}, stream.device());
   check_post_args(stream, post_mix, res_mix);
   check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, sinkhorn_iters);
