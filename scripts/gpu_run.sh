@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: build, GPU test suite, benchmarks. Logs and JSON land in $OUT.
-# Usage (on the GPU machine, from the repo root): bash scripts/gpu_run.sh [test|bench|all] [pytest args...]
+# Usage (on the GPU machine, from the repo root): bash scripts/gpu_run.sh [test|runner|pp|bench|all] [pytest args...]
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/spk_out}; mkdir -p "$OUT"
@@ -20,13 +20,14 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl runtime', L.
 print('ops:', sorted(n.split('::')[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith('spkernels::')))
 " 2>&1 | tee -a "$OUT/machine.txt"
 rc=0
-if [[ $what == test || $what == all ]]; then
+want() { [[ $what == all || ,$what, == *,$1,* ]]; }  # what: all, or a comma list
+if want test; then
   targets=("$@"); [[ ${#targets[@]} -eq 0 ]] && targets=(tests)
   timeout 1200 python3 -m pytest -q -p no:cacheprovider "${targets[@]}" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
   rc=${PIPESTATUS[0]}
   echo "pytest rc=$rc"
 fi
-if [[ $what == runner || $what == all ]]; then
+if want runner; then
   # Issue 6 measurements: prefill with and without SP at 2 x 8k tokens; decode with and without graphs.
   run() { echo "=== $*" >> "$OUT/runner.log"; timeout ${RUNNER_TIMEOUT:-90} python3 -m spkernels.runner --device cuda --tp 2 \
             --preset v4-flash-like --quiet "$@" >> "$OUT/runner.log" 2>&1; echo "rc=$?" >> "$OUT/runner.log"; }
@@ -36,7 +37,16 @@ if [[ $what == runner || $what == all ]]; then
   run --prompts 16 --prompt-len 64 --gen 24 --warmup 1 --no-graphs
   grep -E "^===|prefill|decode:|peak|rc=|Error" "$OUT/runner.log"
 fi
-if [[ $what == bench || $what == all ]]; then
+if want pp; then
+  # Issue 7 measurement: PP2 x TP1 on 2 GPUs (v4.1), without and with microbatching.
+  pp() { echo "=== $*" >> "$OUT/runner.log"; timeout ${RUNNER_TIMEOUT:-90} python3 -m spkernels.runner --device cuda --tp 1 --pp 2 \
+            --arch v4.1 --preset v4-flash-like --quiet "$@" >> "$OUT/runner.log" 2>&1; echo "rc=$?" >> "$OUT/runner.log"; }
+  pp --prompts 8 --prompt-len 2048 --gen 16 --warmup 1 --microbatches 1
+  pp --prompts 8 --prompt-len 2048 --gen 16 --warmup 1 --microbatches 4
+  pp --prompts 8 --prompt-len 2048 --gen 4 --check
+  grep -E "^===|prefill|decode:|peak|rc=|Error|check" "$OUT/runner.log"
+fi
+if want bench; then
   timeout ${BENCH_TIMEOUT:-420} python3 bench/collectives.py ${BENCH_ARGS:---quick} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
 exit $rc
