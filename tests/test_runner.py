@@ -60,15 +60,16 @@ def reference() -> dict:
     return worker(0, 1, options(tp=1, sp_threshold=None))
 
 
-def assert_matches(results: dict, reference: dict) -> None:
+def assert_matches(results: dict, reference: dict, min_coverage: float = 0.75) -> None:
     # The tiny preset's LM head is a permuted copy of the embedding (weights.random_weights), which
-    # puts the reference's top-2 logit margin far above the bf16 noise between TP layouts: with every
-    # logit within atol and every margin above 2 * atol, the greedy tokens must be identical, so
-    # comparing them is fair. `fair` asserts that premise before the tokens are compared.
+    # puts the reference's top-2 logit margins far above the bf16 noise between TP layouts: logits
+    # within atol then cannot swap a greedy token, so comparing tokens is fair (launch.compare). A
+    # step whose margin is not above 2 * atol ends its request's comparison; `coverage` asserts that
+    # such steps are rare, so the check keeps its teeth.
     check = compare(results, reference)
-    assert check["fair"], f"reference margin {check['min_ref_margin']:.3g} <= 2 * atol {check['atol']:.3g}"
+    assert check["coverage"] >= min_coverage, check
     assert check["max_logit_diff"] <= check["atol"], check
-    assert results["tokens"] == reference["tokens"], check
+    assert not check["token_mismatches"], check
 
 
 def assert_policy_steps(results: dict, opts: RunOptions) -> set[tuple[bool, bool]]:

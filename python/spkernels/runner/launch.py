@@ -242,27 +242,41 @@ CHECK_RTOL = 2**-7
 
 
 def compare(results: dict, reference: dict, atol: float | None = None) -> dict:
-    """Tokens must match exactly and logits agree within atol. The comparison is fair where the
-    reference's top-2 logit margin exceeds 2 * atol: logits within atol then cannot swap the argmax."""
+    """Greedy tokens must match and logits agree within atol wherever the comparison is decidable.
+
+    A step whose reference top-2 logit margin exceeds 2 * atol is decided: logits within atol cannot
+    swap its argmax, so the tokens must be identical. At a request's first undecided step the two
+    runs may legitimately pick different tokens; its logits are still compared (they come from the
+    same prefix), the rest of that request is not (the continuations may differ). `coverage` is the
+    fraction of steps compared; callers that need a meaningful check assert it is high."""
     if atol is None:
         atol = CHECK_RTOL * max(t.abs().max().item() for t in reference["logits"] if t.numel())
-    token_mismatches = [
-        i for i, (a, b) in enumerate(zip(results["tokens"], reference["tokens"], strict=True)) if a != b
-    ]
-    max_diff, min_margin = 0.0, float("inf")
-    for got, want in zip(results["logits"], reference["logits"], strict=True):
+    token_mismatches, max_diff, min_margin, compared, total = [], 0.0, float("inf"), 0, 0
+    for i, (got_tokens, want_tokens, got, want) in enumerate(
+        zip(results["tokens"], reference["tokens"], results["logits"], reference["logits"], strict=True)
+    ):
         n = min(len(got), len(want))
-        if n:
-            max_diff = max(max_diff, (got[:n] - want[:n]).abs().max().item())
-            top2 = want[:n].topk(2, dim=-1).values
-            min_margin = min(min_margin, (top2[:, 0] - top2[:, 1]).min().item())
-    ok = not token_mismatches and max_diff <= atol
+        total += max(len(got_tokens), len(want_tokens))
+        if not n:
+            token_mismatches += [i] if got_tokens != want_tokens else []
+            continue
+        top2 = want[:n].topk(2, dim=-1).values
+        margins = top2[:, 0] - top2[:, 1]
+        min_margin = min(min_margin, margins.min().item())
+        undecided = (margins <= 2 * atol).nonzero()
+        k = undecided[0].item() if len(undecided) else n  # steps [0, k) are decided
+        rows = min(k + 1, n)
+        max_diff = max(max_diff, (got[:rows] - want[:rows]).abs().max().item())
+        if k == n and len(got_tokens) != len(want_tokens) or got_tokens[:k] != want_tokens[:k]:
+            token_mismatches.append(i)
+        compared += rows
     return {
-        "ok": ok,
+        "ok": not token_mismatches and max_diff <= atol,
         "token_mismatches": token_mismatches,
         "max_logit_diff": max_diff,
         "min_ref_margin": min_margin,
-        "fair": min_margin > 2 * atol,
+        "fair": min_margin > 2 * atol,  # every step decided: the whole token sequences are compared
+        "coverage": compared / max(total, 1),
         "atol": atol,
     }
 
