@@ -22,7 +22,7 @@ print('ops:', sorted(n.split('::')[1] for n in torch._C._dispatch_get_all_op_nam
 rc=0
 want() { [[ $what == all || ,$what, == *,$1,* ]]; }  # what: all, or a comma list
 if want test; then
-  targets=("$@"); [[ ${#targets[@]} -eq 0 ]] && targets=(tests)
+  targets=("$@"); [[ ${#targets[@]} -eq 0 ]] && targets=(-m gpu tests)  # the GPU suite; CI runs the rest
   timeout 1200 python3 -m pytest -q -p no:cacheprovider "${targets[@]}" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
   rc=${PIPESTATUS[0]}
   echo "pytest rc=$rc"

@@ -4,10 +4,11 @@ compute-sanitizer (memcheck, racecheck, synccheck).
     python scripts/sanitize_ops.py --mode local   # mhc_pre, mhc_post, mhc_post_pre, mhc_head on cuda:0
     python scripts/sanitize_ops.py --mode comm    # every comm op, 2 processes (torch.multiprocessing)
 
-Sizes cover every instantiation of the tile kernel (pre / post / post+pre / head; local, peer and
-gathering variants; one or two column groups per warp) and both of its loops: T below one tile, a
-few tiles, and more tiles than clusters (the persistent loop over double-buffered shared memory,
-where a missing barrier would be a race). The comm ops run on both backends (lsa: the fused kernels
+Sizes cover every instantiation of the two passes (pre / post / post+pre / head; local, peer and
+gathering variants; narrow and full column slices) and both fn paths of pass 1: T below one tile,
+one tile per CTA (fn fragments straight from global memory), and more tiles than CTAs per slice
+(the persistent loop over fn staged in shared memory, where a missing barrier would be a race).
+The comm ops run on both backends (lsa: the fused kernels
 and the LSA all-gather; nccl: NCCL collectives + local kernels), with a partial passed as a plain
 tensor and through comm.partial_buffer. Ends with "SANITIZE_OPS DONE" only if every call returned.
 Children exit through the normal interpreter teardown, so the sanitizer sees every process end.
@@ -28,7 +29,7 @@ import torch.multiprocessing as mp
 
 bf16, f32 = torch.bfloat16, torch.float32
 EPS = (1e-6, 1e-6, 1e-6, 20, 2.0)
-# (T, D): T = 1 (one partial tile), 37 (three tiles), 4099 at D = 64 (more tiles than clusters);
+# (T, D): T = 1 (one partial tile), 37 (three tiles), 600 and 4099 (more tiles than CTAs per slice);
 # D from one column group per warp to the 8192 limit.
 LOCAL_SIZES = [(1, 64), (37, 64), (4099, 64), (3, 1032), (37, 4096), (600, 4096), (5, 7168), (33, 8192)]
 # (T_local, D) per rank, tp = 2.

@@ -126,3 +126,12 @@ class MHCInputs:
 @pytest.fixture
 def mhc(request) -> MHCInputs:
     return MHCInputs(zlib.crc32(request.node.nodeid.encode()))
+
+
+def pytest_collection_modifyitems(items):
+    """Every test of a tests/test_cuda_*.py file but the CPU compile check is a GPU test:
+    `pytest -m gpu tests` runs the GPU suite alone (scripts/gpu_run.sh does)."""
+    for item in items:
+        name = item.path.name
+        if name.startswith("test_cuda_") and name != "test_cuda_compile.py":
+            item.add_marker(pytest.mark.gpu)

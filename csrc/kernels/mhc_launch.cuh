@@ -1,17 +1,18 @@
 #pragma once
-// Host side of the tile kernel (torch-free): the launch plan, a function of the shapes (and of
-// a rank-agreed cluster cap for the fused ops) only, so every rank launches the same grid.
+// Host side of the mHC kernels (torch-free): the launch plan, a function of the shapes (and of a
+// rank-agreed CTA cap for the fused ops) only, so every rank launches the same grids.
 #include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <mutex>
 #include <tuple>
 
+#include "kernels/lsa_gather.cuh"
 #include "kernels/mhc_tile.cuh"
 
 namespace spk {
 
-// SPK_DEBUG=1 prints every tile-kernel launch plan to stderr.
+// SPK_DEBUG=1 prints every launch plan to stderr.
 inline bool debug_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("SPK_DEBUG");
@@ -20,106 +21,68 @@ inline bool debug_enabled() {
   return on;
 }
 
-// CTAs per cluster: each owns hidden / cs columns; 16 (non-portable, Hopper) at DeepSeek sizes.
-inline int tile_cluster_size(int hidden) {
-  const int cs = hidden / 8 / 32;
-  return cs < 1 ? 1 : cs > kMaxCluster ? kMaxCluster : cs;
+template <YSrc kSrc, bool kPost, bool kPre, bool kHead>
+inline size_t rows_smem_bytes(int hidden) {
+  return kPre ? fn_smem_bytes<kHead>(hidden) : 0;
 }
 
-struct TilePlan {
-  int cs = 1, gpw = 1, clusters = 0;
-  size_t smem = 0;
-  const void* kernel = nullptr;
-};
-
-template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kGather>
-inline const void* tile_kernel_ptr(int gpw) {
-  switch (gpw) {
-    case 1:
-      return (const void*)mhc_tile_kernel<kSrc, kPost, kPre, kHead, kGather, 1>;
-    default:
-      return (const void*)mhc_tile_kernel<kSrc, kPost, kPre, kHead, kGather, 2>;
-  }
-}
-
-inline cudaLaunchConfig_t tile_config(const TilePlan& p, int clusters, cudaStream_t stream, cudaLaunchAttribute* attr) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(clusters * p.cs);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = p.smem;
-  cfg.stream = stream;
-  attr->id = cudaLaunchAttributeClusterDimension;
-  attr->val.clusterDim.x = p.cs;
-  attr->val.clusterDim.y = 1;
-  attr->val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cfg;
-}
-
-inline cudaError_t prepare_tile_kernel(const TilePlan& p) {
-  cudaError_t e = cudaFuncSetAttribute(p.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)p.smem);
-  if (e == cudaSuccess && p.cs > 8)
-    e = cudaFuncSetAttribute(p.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-  return e;
-}
-
-// How many clusters of this plan fit on the device at once (0: the cluster cannot be scheduled).
-inline cudaError_t tile_max_clusters(const TilePlan& p, int* out) {
+// Pass-1 CTAs of this variant that fit on the device at once (cached per device and shape).
+template <YSrc kSrc, bool kPost, bool kPre, bool kHead>
+inline cudaError_t rows_max_ctas(int hidden, int* out) {
   static std::mutex mu;
-  static std::map<std::tuple<int, const void*, size_t>, int> cache;
-  int device = 0;
+  static std::map<std::tuple<int, size_t>, int> cache;
+  const void* kernel = (const void*)mhc_rows_kernel<kSrc, kPost, kPre, kHead>;
+  const size_t smem = rows_smem_bytes<kSrc, kPost, kPre, kHead>(hidden);
+  int device = 0, sms = 0, per_sm = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return e;
-  const auto key = std::make_tuple(device, p.kernel, p.smem);
   std::lock_guard<std::mutex> lock(mu);
-  if (auto it = cache.find(key); it != cache.end()) {
+  if (auto it = cache.find({device, smem}); it != cache.end()) {
     *out = it->second;
     return cudaSuccess;
   }
-  if ((e = prepare_tile_kernel(p)) != cudaSuccess) return e;
-  cudaLaunchAttribute attr;
-  cudaLaunchConfig_t cfg = tile_config(p, 1, nullptr, &attr);
-  if ((e = cudaOccupancyMaxActiveClusters(out, p.kernel, &cfg)) != cudaSuccess) return e;
-  cache[key] = *out;
-  return cudaSuccess;
+  if ((e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) != cudaSuccess ||
+      (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem)) != cudaSuccess ||
+      (e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess)
+    return e;
+  cache[{device, smem}] = *out = per_sm * sms;
+  return per_sm > 0 ? cudaSuccess : cudaErrorInvalidConfiguration;
 }
 
-// The plan for `num_tokens` rows at `hidden`. max_clusters <= 0: use the device's own limit
-// (local ops); the fused ops pass the cap every rank agreed on at Communicator creation.
+// The whole op: pass 1, pass 2 for a pre, the all-gather of layer_input in SP mode. `a.ws` must
+// hold num_tokens * row_slices(hidden) * FnRows<kHead>::kVals floats for a pre. max_ctas <= 0:
+// the device's own limit (local ops); the fused ops pass the cap every rank agreed on.
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kGather>
-inline cudaError_t plan_tiles(int num_tokens, int hidden, int max_clusters, TilePlan* plan) {
-  TilePlan p;
-  p.cs = tile_cluster_size(hidden);
-  const int gmax = tile_groups(hidden, p.cs);
-  // D <= kMaxHidden keeps every slice within 2 groups per warp.
-  p.gpw = gmax <= kWarps ? 1 : 2;
-  p.kernel = tile_kernel_ptr<kSrc, kPost, kPre, kHead, kGather>(p.gpw);
-  p.smem = kPre ? tile_fn_smem_bytes<kHead>(hidden, p.cs) : 0;
-  if (max_clusters <= 0) {
-    cudaError_t e = tile_max_clusters(p, &max_clusters);
-    if (e != cudaSuccess) return e;
-    if (max_clusters <= 0) return cudaErrorInvalidConfiguration;
-  }
-  const int num_tiles = (num_tokens + kTileTokens - 1) / kTileTokens;
-  p.clusters = num_tiles < max_clusters ? num_tiles : max_clusters;
-  *plan = p;
-  return cudaSuccess;
-}
-
-inline cudaError_t launch_tiles(const TilePlan& p, const TileArgs& args, cudaStream_t stream) {
-  if (p.clusters == 0) return cudaSuccess;
-  cudaError_t e = prepare_tile_kernel(p);
-  if (e != cudaSuccess) return e;
+inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
+  const int T = a.num_tokens, D = a.hidden;
+  if (T == 0) return cudaSuccess;
+  cudaError_t e;
+  if (max_ctas <= 0 && (e = rows_max_ctas<kSrc, kPost, kPre, kHead>(D, &max_ctas)) != cudaSuccess) return e;
+  const int num_tiles = (T + kTileTokens - 1) / kTileTokens;
+  a.slices = row_slices(D);
+  a.groups = max_ctas / a.slices < 1 ? 1 : max_ctas / a.slices < num_tiles ? max_ctas / a.slices : num_tiles;
+  a.exit_barrier = kSrc == YSrc::kPeers && kPre && !kGather;
+  const void* rows = (const void*)mhc_rows_kernel<kSrc, kPost, kPre, kHead>;
+  const size_t smem = rows_smem_bytes<kSrc, kPost, kPre, kHead>(D);
+  if ((e = cudaFuncSetAttribute(rows, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) != cudaSuccess) return e;
+  const int collapse_ctas = (T + kCollapseRows - 1) / kCollapseRows;
+  const size_t collapse_smem = kPre && !kHead && a.norm_weight != nullptr ? (size_t)kCollapseRows * D * 2 : 0;
   if (debug_enabled())
-    std::fprintf(stderr, "spkernels: tile kernel %p T=%d D=%d cs=%d gpw=%d clusters=%d smem=%zu\n", p.kernel,
-                 args.num_tokens, args.hidden, p.cs, p.gpw, p.clusters, p.smem);
-  TileArgs a = args;
-  cudaLaunchAttribute attr;
-  cudaLaunchConfig_t cfg = tile_config(p, p.clusters, stream, &attr);
-  void* params[] = {&a};
-  e = cudaLaunchKernelExC(&cfg, p.kernel, params);
-  return e != cudaSuccess ? e : cudaGetLastError();
+    std::fprintf(stderr, "spkernels: rows kernel T=%d D=%d slices=%d groups=%d smem=%zu; collapse %d CTAs smem=%zu\n",
+                 T, D, a.slices, a.groups, smem, kPre ? collapse_ctas : 0, collapse_smem);
+  mhc_rows_kernel<kSrc, kPost, kPre, kHead><<<a.slices * a.groups, kThreads, smem, stream>>>(a);
+  if ((e = cudaGetLastError()) != cudaSuccess || !kPre) return e;
+  const void* collapse = (const void*)mhc_collapse_kernel<kHead, kGather>;
+  if ((e = cudaFuncSetAttribute(collapse, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)collapse_smem)) !=
+      cudaSuccess)
+    return e;
+  mhc_collapse_kernel<kHead, kGather><<<collapse_ctas, kThreads, collapse_smem, stream>>>(a);
+  if ((e = cudaGetLastError()) != cudaSuccess || !kGather) return e;
+  const size_t bytes = (size_t)T * D * 2;
+  lsa_all_gather_kernel<<<lsa_all_gather_grid(bytes, max_ctas), kGatherThreads, 0, stream>>>(
+      a.lsa.dev_comm, a.lsa.window, a.lsa.gather_offset, bytes, a.lsa.rank, a.lsa.world,
+      reinterpret_cast<char*>(a.layer_input));
+  return cudaGetLastError();
 }
 
 }  // namespace spk

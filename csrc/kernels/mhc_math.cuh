@@ -14,7 +14,6 @@ constexpr int kMix = (2 + kHC) * kHC;  // 24 mixing values: pre | post | res (ro
 constexpr int kTileTokens = 16;        // tokens per tile = the M of mma.m16n8k16
 constexpr int kThreads = 256;          // threads per CTA
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxCluster = 16;   // CTAs per cluster: one column slice of D each
 constexpr int kMaxPeers = 8;      // LSA ranks the fused kernels sum over (one NVLink node)
 constexpr int kMaxHidden = 8192;  // D limit: the fn slice of a CTA must fit in shared memory
 

@@ -17,11 +17,11 @@ namespace {
 std::mutex g_mu;
 std::map<int64_t, std::unique_ptr<CommState>> g_comms;
 
-// The heaviest fused kernel decides how many clusters fit at once on this device.
-int local_max_clusters(int hidden) {
-  TilePlan plan;
-  SPK_CUDA_CHECK((plan_tiles<YSrc::kPeers, true, true, false, true>(1 << 30, hidden, 0, &plan)));
-  return plan.clusters;
+// The heaviest fused kernel decides how many CTAs fit at once on this device.
+int local_max_ctas(int hidden) {
+  int n = 0;
+  SPK_CUDA_CHECK((rows_max_ctas<YSrc::kPeers, true, true, false>(hidden, &n)));
+  return n;
 }
 
 }  // namespace
@@ -73,11 +73,11 @@ int64_t comm_create(int64_t handle, std::vector<int64_t> unique_id, int64_t rank
   SPK_NCCL_CHECK(ncclCommWindowRegister(s->comm, s->buffer, s->buffer_bytes, &s->window, NCCL_WIN_COLL_SYMMETRIC),
                  s->comm);
 
-  // Every rank must launch the same fused grid (the LSA barriers pair CTAs by index), so the
-  // cluster cap is the minimum over ranks.
+  // Every rank must launch the same fused grids (the LSA barriers pair CTAs by index), so the
+  // CTA cap is the minimum over ranks.
   {
     int* d_val = nullptr;
-    int val = local_max_clusters((int)hidden_size);
+    int val = local_max_ctas((int)hidden_size);
     cudaStream_t st = c10::cuda::getCurrentCUDAStream();
     SPK_CUDA_CHECK(cudaMallocAsync((void**)&d_val, sizeof(int), st));
     SPK_CUDA_CHECK(cudaMemcpyAsync(d_val, &val, sizeof(int), cudaMemcpyHostToDevice, st));
@@ -85,8 +85,7 @@ int64_t comm_create(int64_t handle, std::vector<int64_t> unique_id, int64_t rank
     SPK_CUDA_CHECK(cudaMemcpyAsync(&val, d_val, sizeof(int), cudaMemcpyDeviceToHost, st));
     SPK_CUDA_CHECK(cudaFreeAsync(d_val, st));
     SPK_CUDA_CHECK(cudaStreamSynchronize(st));
-    s->max_clusters = val;
-    s->max_ctas = val * tile_cluster_size((int)hidden_size);
+    s->max_ctas = val;
   }
 
   ncclDevCommRequirements reqs;

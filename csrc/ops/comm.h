@@ -13,9 +13,8 @@ struct CommState {
   int64_t handle = 0;
   int rank = 0, world = 1, device = 0;
   int64_t max_tokens = 0, hidden = 0;
-  bool lsa = false;      // backend: fused LSA kernels (true) or NCCL host collectives + local kernels
-  int max_clusters = 1;  // rank-agreed cap on the fused tile kernels' clusters (same grid everywhere)
-  int max_ctas = 1;      // LSA barriers available = the largest fused grid
+  bool lsa = false;  // backend: fused LSA kernels (true) or NCCL host collectives + local kernels
+  int max_ctas = 1;  // rank-agreed cap on the fused grids (same grids everywhere) = LSA barriers
   ncclComm_t comm = nullptr;
   void* buffer = nullptr;
   size_t buffer_bytes = 0;

@@ -99,7 +99,7 @@ Tensor mhc_post_rs_cuda(const Tensor& partial, const Tensor& stream, const Tenso
   if (!c.lsa) return mhc_post_cuda(nccl_reduce(c, partial, stream.size(0), true), stream, post_mix, res_mix);
   Tensor new_stream = at::empty_like(stream);
   const TileArgs a = lsa_post_args(c, partial, stream, post_mix, res_mix, new_stream, c.rank * (int)stream.size(0));
-  run_tiles<YSrc::kPeers, true, false, false, false>(a, c.max_clusters);
+  run_mhc<YSrc::kPeers, true, false, false, false>(a, c.max_ctas);
   return new_stream;
 }
 
@@ -115,12 +115,12 @@ PreOut mhc_pre_ag_cuda(const Tensor& stream, const Tensor& fn, const Tensor& sca
   PreOut out = set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in, eps, stream.size(0) * c.world);
   if (!c.lsa) {
     a.layer_input += (size_t)c.rank * stream.size(0) * stream.size(2);  // my rows, then gather in place
-    run_tiles<YSrc::kNone, false, true, false, false>(a, 0);
+    run_mhc<YSrc::kNone, false, true, false, false>(a, 0);
     nccl_gather_in_place(c, std::get<0>(out));
     return out;
   }
   set_lsa(a, c, 0);
-  run_tiles<YSrc::kNone, false, true, false, true>(a, c.max_clusters);
+  run_mhc<YSrc::kNone, false, true, false, true>(a, c.max_ctas);
   return out;
 }
 
@@ -146,7 +146,7 @@ PostPreOut mhc_post_pre_rs_ag_cuda(const Tensor& partial, const Tensor& stream, 
   auto [li, post, res, pre] =
       set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in,
                    make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha), stream.size(0) * c.world);
-  run_tiles<YSrc::kPeers, true, true, false, true>(a, c.max_clusters);
+  run_mhc<YSrc::kPeers, true, true, false, true>(a, c.max_ctas);
   return {new_stream, li, post, res, pre};
 }
 
@@ -190,7 +190,7 @@ Tensor mhc_post_ar_cuda(const Tensor& partial, const Tensor& stream, const Tenso
   if (!c.lsa) return mhc_post_cuda(nccl_reduce(c, partial, stream.size(0), false), stream, post_mix, res_mix);
   Tensor new_stream = at::empty_like(stream);
   const TileArgs a = lsa_post_args(c, partial, stream, post_mix, res_mix, new_stream, 0);
-  run_tiles<YSrc::kPeers, true, false, false, false>(a, c.max_clusters);
+  run_mhc<YSrc::kPeers, true, false, false, false>(a, c.max_ctas);
   return new_stream;
 }
 
@@ -213,7 +213,7 @@ PostPreOut mhc_post_pre_ar_cuda(const Tensor& partial, const Tensor& stream, con
   auto [li, post, res, pre] =
       set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in,
                    make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha), stream.size(0));
-  run_tiles<YSrc::kPeers, true, true, false, false>(a, c.max_clusters);
+  run_mhc<YSrc::kPeers, true, true, false, false>(a, c.max_ctas);
   return {new_stream, li, post, res, pre};
 }
 
