@@ -119,3 +119,26 @@ def test_nvcc_compiles(compiler, src, kind):
         f"nvcc failed on {src.relative_to(ROOT)} ({kind}):\n{' '.join(cmd)}\n"
         f"--- errors ---\n{errors}\n--- last output ---\n{proc.stderr[-6000:]}"
     )
+
+
+def test_objects_link_without_duplicate_symbols(compiler):
+    """The extension's objects (every .cu and the bindings) define no strong symbol twice: a
+    non-inline kernel in a shared header compiles everywhere and only fails at the link."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm (binutils) to list the objects' symbols")
+    objects = []
+    for src in [*CU_FILES, BINDINGS]:
+        cmd, proc = compiler.result(src, "torch")
+        if proc is None or proc.returncode != 0:
+            pytest.skip(f"{src.relative_to(ROOT)} did not compile (test_nvcc_compiles reports it)")
+        objects.append(cmd[-1])
+    owners: dict[str, list[str]] = {}
+    for obj in objects:
+        out = subprocess.run([nm, "--defined-only", obj], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[1] in "TDBR":  # strong (global) text / data / bss / rodata
+                owners.setdefault(parts[2], []).append(Path(obj).name)
+    dupes = {sym: objs for sym, objs in owners.items() if len(objs) > 1}
+    assert not dupes, f"strong symbols defined in several objects: {dupes}"

@@ -11,7 +11,8 @@ namespace spk {
 
 constexpr int kGatherThreads = 512;
 
-__global__ void __launch_bounds__(kGatherThreads)
+// static: internal linkage, as every translation unit that launches it includes this header.
+static __global__ void __launch_bounds__(kGatherThreads)
     lsa_all_gather_kernel(const __grid_constant__ ncclDevComm dev_comm, ncclWindow_t window, size_t gather_offset,
                           size_t bytes, int rank, int world, char* out) {
   ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), dev_comm, ncclTeamTagLsa(), blockIdx.x};
