@@ -42,8 +42,10 @@ if want pp; then
   pp() { echo "=== $*" >> "$OUT/runner.log"; timeout ${RUNNER_TIMEOUT:-90} python3 -m spkernels.runner --device cuda --tp 1 --pp 2 \
             --arch v4.1 --preset v4-flash-like --quiet "$@" >> "$OUT/runner.log" 2>&1; echo "rc=$?" >> "$OUT/runner.log"; }
   pp --prompts 8 --prompt-len 2048 --gen 16 --warmup 1 --microbatches 1
+  pp --prompts 8 --prompt-len 2048 --gen 16 --warmup 1 --microbatches 2
   pp --prompts 8 --prompt-len 2048 --gen 16 --warmup 1 --microbatches 4
-  pp --prompts 8 --prompt-len 2048 --gen 4 --check
+  pp --prompts 8 --prompt-len 2048 --gen 16 --warmup 1 --microbatches 4 --microbatch-min-tokens 1  # decode split too
+  pp --prompts 8 --prompt-len 2048 --gen 4 --microbatches 4 --check
   grep -E "^===|prefill|decode:|peak|rc=|Error|check" "$OUT/runner.log"
 fi
 if want bench; then

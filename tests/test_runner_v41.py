@@ -3,7 +3,8 @@ MoE and pipeline stages. PP2xTP2 (4 processes) and PP2xTP1, with SP on and off, 
 greedy tokens and logits; Engram sits on stage 1's first layer; prompts are not tp multiples. Plus
 plain-math checks of the Engram add, the MoE gate and experts, the delayed-mode forward, and the
 stage boundary's trim and re-shard. Microbatched pipelines (--microbatches 2, 3) give bitwise the
-tokens and logits of one forward per step."""
+tokens and logits of one forward per step, split no finer than --microbatch-min-tokens allows, and
+their stages never read a device value on the host (which would stop them overlapping)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from spkernels.runner.__main__ import main, report
 from spkernels.runner.engine import split_microbatches
 from spkernels.runner.launch import preset_config
 from test_runner import assert_matches, assert_policy_steps
+from torch.overrides import TorchFunctionMode
 
 # Five prompts of lengths 1, 3, 5, 40, 2 (not tp multiples: shards with pad rows at tp = 2); the
 # tiny preset has 2 layers, so pp = 2 puts layer 1, V4.1's default Engram layer, first on stage 1.
@@ -48,6 +50,12 @@ BASE = RunOptions(
 
 def options(**changes) -> RunOptions:
     return dataclasses.replace(BASE, **changes)
+
+
+def microbatched(opts: RunOptions, microbatches: int, min_tokens: int = 1) -> RunOptions:
+    """``opts`` split into up to ``microbatches`` forwards per step, of at least ``min_tokens`` each on
+    average (1: the tiny test steps split, decode steps included)."""
+    return dataclasses.replace(opts, microbatches=microbatches, microbatch_min_tokens=min_tokens)
 
 
 def test_engram_on_stage_first_layer():
@@ -209,8 +217,8 @@ CASES = {
     ),
     "tp2-sp-moe-chunked": (options(tp=2, sp_threshold=8, num_experts=4, max_tokens_per_step=12), None, "moe"),
     # microbatched pipelines: the prefill step splits into 9 + 42 tokens (9 pads to 10 for SP at tp = 2)
-    "pp2-tp2-sp-mb2": (options(tp=2, pp=2, sp_threshold=8, microbatches=2), {True, False}, "dense"),
-    "pp2-tp1-mb3": (options(tp=1, pp=2, sp_threshold=None, microbatches=3), {False}, "dense"),
+    "pp2-tp2-sp-mb2": (microbatched(options(tp=2, pp=2, sp_threshold=8), 2), {True, False}, "dense"),
+    "pp2-tp1-mb3": (microbatched(options(tp=1, pp=2, sp_threshold=None), 3), {False}, "dense"),
 }
 REFERENCES = {
     "dense": options(sp_threshold=None),
@@ -279,6 +287,7 @@ def test_engram_and_experts_move_the_logits(references):
         (dict(pp=2, microbatches=0), "--microbatches must be an int >= 1"),
         (dict(microbatches=-2), "--microbatches must be an int >= 1"),
         (dict(microbatches=1.5), "--microbatches must be an int >= 1"),
+        (dict(pp=2, microbatch_min_tokens=0), "--microbatch-min-tokens must be a positive int"),
     ],
 )
 def test_impossible_configs_raise(changes, match):
@@ -289,7 +298,8 @@ def test_impossible_configs_raise(changes, match):
 # ----------------------------------------------------------------------------- microbatches
 def assert_policy_forwards(results: dict, opts: RunOptions) -> set[bool]:
     """Every microbatch forward padded and dispatched by the policy from its own count, at most
-    ``opts.microbatches`` per step, adding up to the step's tokens; -> the SP modes seen."""
+    ``opts.microbatches`` per step and no more than the step's tokens // ``opts.microbatch_min_tokens``
+    (at least one), adding up to the step's tokens; -> the SP modes seen."""
     p = plan(opts)
     per_step = [0] * len(results["steps"])
     tokens = [0] * len(results["steps"])
@@ -300,7 +310,9 @@ def assert_policy_forwards(results: dict, opts: RunOptions) -> set[bool]:
         per_step[step] += 1
         tokens[step] += num_tokens
     assert tokens == [s[0] for s in results["steps"]]
-    assert max(per_step) == opts.microbatches and all(1 <= n <= opts.microbatches for n in per_step)
+    allowed = [max(1, min(opts.microbatches, n // opts.microbatch_min_tokens)) for n in tokens]
+    assert all(1 <= n <= most for n, most in zip(per_step, allowed, strict=True))
+    assert max(per_step) == max(allowed) > 1
     assert results["stats"]["microbatches"] == len(results["forwards"])
     return {f[3] for f in results["forwards"]}
 
@@ -316,6 +328,10 @@ def test_split_microbatches_keeps_requests_whole():
         assert [e for g in groups for e in g] == entries and 1 <= len(groups) <= min(m, len(entries))
     decode = [(r, 1) for r in reqs]
     assert [len(g) for g in split_microbatches(decode, 2)] == [2, 3]
+    # at most total // min_tokens groups: 51 tokens of at least 20 each -> 2 groups; 5 decode tokens -> 1
+    assert [[r.index for r, _ in g] for g in split_microbatches(entries, 3, 20)] == [[0, 1, 2], [3, 4]]
+    assert [len(g) for g in split_microbatches(decode, 3, 2)] == [2, 3]
+    assert split_microbatches(decode, 3, 8) == [decode]
 
 
 _matmul = torch.Tensor.__matmul__
@@ -338,18 +354,21 @@ def run_row_invariant(rank: int, world_size: int, configs: list[RunOptions]) -> 
     return run_configs(rank, world_size, configs)
 
 
-# name -> options; each *-mb<M> run must equal bitwise the run named without the suffix
+# name -> options; each *-mb<M>... run must equal bitwise the run named without the suffix. No
+# minimum microbatch size except in *-min<N>, so the tiny steps split (decode steps included).
 BITWISE = {
     "pp2-tp1": options(tp=1, pp=2, sp_threshold=None),
-    "pp2-tp1-mb2": options(tp=1, pp=2, sp_threshold=None, microbatches=2),
-    "pp2-tp1-mb3": options(tp=1, pp=2, sp_threshold=None, microbatches=3),
+    "pp2-tp1-mb2": microbatched(options(tp=1, pp=2, sp_threshold=None), 2),
+    "pp2-tp1-mb3": microbatched(options(tp=1, pp=2, sp_threshold=None), 3),
+    # at least 20 tokens each: the 51-token prefill step splits in 2, decode steps of 5 not at all
+    "pp2-tp1-mb3-min20": microbatched(options(tp=1, pp=2, sp_threshold=None), 3, 20),
     # SP at 8: one forward of 51 tokens (SP) becomes 9 (padded to 10, SP) + 42 (SP); decode 5 -> 2 + 3
     "pp2-tp2-sp": options(tp=2, pp=2, sp_threshold=8),
-    "pp2-tp2-sp-mb2": options(tp=2, pp=2, sp_threshold=8, microbatches=2),
-    "pp2-tp2-sp-mb3": options(tp=2, pp=2, sp_threshold=8, microbatches=3),
+    "pp2-tp2-sp-mb2": microbatched(options(tp=2, pp=2, sp_threshold=8), 2),
+    "pp2-tp2-sp-mb3": microbatched(options(tp=2, pp=2, sp_threshold=8), 3),
     # SP at 16 with rank-to-rank shards: 9 tokens go TP, 40 SP, 2 TP: the stages switch mode mid-step
     "pp2-tp2-direct": options(tp=2, pp=2, sp_threshold=16, pp_direct_shards=True),
-    "pp2-tp2-direct-mb3": options(tp=2, pp=2, sp_threshold=16, pp_direct_shards=True, microbatches=3),
+    "pp2-tp2-direct-mb3": microbatched(options(tp=2, pp=2, sp_threshold=16, pp_direct_shards=True), 3),
 }
 
 
@@ -366,7 +385,7 @@ def bitwise_layouts() -> dict:
 @pytest.mark.parametrize("name", [n for n in BITWISE if "-mb" in n])
 def test_microbatches_bitwise_match_one_forward(references, bitwise_layouts, name):
     opts = BITWISE[name]
-    got, one = bitwise_layouts[name], bitwise_layouts[name.rsplit("-mb", 1)[0]]
+    got, one = bitwise_layouts[name], bitwise_layouts[name.split("-mb")[0]]
     modes = assert_policy_forwards(got, opts)
     assert modes == ({True, False} if opts.tp > 1 else {False})
     if opts.sp_threshold == 8:  # an SP forward whose requests' tokens are not a multiple of tp
@@ -388,6 +407,56 @@ def test_cli_rejects_bad_microbatches(capsys):
     assert "--microbatches must be an int >= 1" in capsys.readouterr().err
 
 
+# Tensor calls that hand a device value to the host: on a GPU each waits for every kernel enqueued
+# before it, so a stage could no longer enqueue microbatch k + 1 while its GPU runs k.
+HOST_READS = {"item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__"}
+
+
+class HostReads(TorchFunctionMode):
+    """Records the HOST_READS among the torch calls of the methods it ``watch``es. CPU tensors take
+    the same calls as CUDA ones, so a CPU run shows what would synchronise on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in HOST_READS:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+    def watch(self, method):
+        def watched(*args, **kwargs):
+            with self:
+                return method(*args, **kwargs)
+
+        return watched
+
+
+def run_watching_host_reads(rank: int, world_size: int, configs: list[RunOptions]) -> list[list[str]]:
+    """-> per config, the host reads of the Model calls an engine step makes before its sampling."""
+    mode = HostReads()
+    for name in ("post_recv", "forward", "wait_sends", "head"):  # a spawned rank: gone with the process
+        setattr(Model, name, mode.watch(getattr(Model, name)))
+    out = []
+    for opts in configs:
+        mode.calls.clear()
+        worker(rank, world_size, opts)
+        out.append(list(mode.calls))
+    return out
+
+
+def test_stages_never_read_device_values():
+    """Both stages of a microbatched pipeline enqueue their work without reading a device value, so
+    each can run ahead of its GPU. The MoE's eager routing does read (nonzero per expert: the routed
+    token count sizes the expert's GEMMs), which also shows that the watch sees both stages."""
+    dense = microbatched(options(tp=1, pp=2, sp_threshold=None), 3)
+    configs = [dense, dataclasses.replace(dense, num_experts=4)]
+    for dense_reads, moe_reads in run_distributed(2, run_watching_host_reads, configs, timeout=120):
+        assert dense_reads == []
+        assert set(moe_reads) == {"nonzero"}
+
+
 # ----------------------------------------------------------------------------- GPU (skipped without)
 requires_two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
@@ -396,7 +465,7 @@ GPU_CASES = {
     # NCCL send/recv between stages; graphs are off with pp > 1 (eager hand-over)
     "gpu-pp2-tp1": (options(device="cuda", tp=1, pp=2, sp_threshold=None), "dense"),
     "gpu-pp2-tp1-moe": (options(device="cuda", tp=1, pp=2, sp_threshold=None, num_experts=4), "moe"),
-    "gpu-pp2-tp1-mb3": (options(device="cuda", tp=1, pp=2, sp_threshold=None, microbatches=3), "dense"),
+    "gpu-pp2-tp1-mb3": (microbatched(options(device="cuda", tp=1, pp=2, sp_threshold=None), 3), "dense"),
     # SP engages inside the captured decode graphs (bucket 8 >= threshold); Engram ids are a static input
     "gpu-tp2-sp-graphs": (options(device="cuda", tp=2, sp_threshold=8, check_graphs=True), "dense"),
     "gpu-tp2-sp-moe-graphs": (

@@ -2,7 +2,7 @@
 
 python -m spkernels.runner --device cpu --tp 2 --sp-threshold 8 --prompts 4 --gen 8 --check
 python -m spkernels.runner --device cpu --arch v4.1 --tp 2 --pp 2 --num-experts 4 --sp-threshold 8 --check
-python -m spkernels.runner --device cpu --arch v4.1 --pp 2 --microbatches 3 --check
+python -m spkernels.runner --device cpu --arch v4.1 --pp 2 --microbatches 3 --microbatch-min-tokens 8 --check
 torchrun --nproc-per-node 2 -m spkernels.runner --device cuda --tp 2 --preset v4-flash-like
 """
 
@@ -13,6 +13,7 @@ import os
 import sys
 
 from .config import PRESETS
+from .engine import MICROBATCH_MIN_TOKENS
 from .launch import RunOptions, exit_without_teardown, launch
 
 
@@ -48,7 +49,16 @@ def parse_args(argv=None) -> RunOptions:
         default=1,
         metavar="M",
         help="split each step's requests into up to M forwards (whole requests each) so pipeline stages "
-        "overlap (1: one forward per step)",
+        "overlap, but a step of N tokens into at most N // --microbatch-min-tokens (so small steps, "
+        "decode steps in particular, stay one forward; 1: one forward per step)",
+    )
+    p.add_argument(
+        "--microbatch-min-tokens",
+        type=int,
+        default=MICROBATCH_MIN_TOKENS,
+        metavar="N",
+        help="smallest average microbatch: a step of N tokens splits into at most N // this forwards; below "
+        "it a microbatch's GPU time does not cover the host's enqueue of the next (default %(default)s)",
     )
     p.add_argument("--arch", choices=("v4", "v4.1"), default="v4")
     p.add_argument(

@@ -10,7 +10,10 @@ With ``microbatches`` M > 1 a step's requests are split into up to M contiguous 
 requests, each its own forward with its own padded count and SP decision; with pipeline stages the
 forwards overlap (pipeline.py). A request's tokens never straddle two forwards and all forwards of a
 step take the step's attention path (decode or prefill), so each request sees exactly what it would
-in one forward.
+in one forward. A step of N tokens is split into at most N // ``microbatch_min_tokens`` forwards (at
+least one): every forward costs the host a fixed time to enqueue, and a stage whose microbatches are
+too small to keep the GPU busy for that long is host-bound, so splitting it only adds forwards. Small
+steps, pure decode steps in particular, run as one forward.
 """
 
 from __future__ import annotations
@@ -23,6 +26,12 @@ import torch
 from ..policy import SPPolicy
 from . import engram, pipeline
 from .model import Batch, Model
+
+# A forward costs the host a fixed time to enqueue and the GPU a time per token. Eagerly, on the H200
+# machine, v4-flash-like's 2 layers per stage take the host ~2 ms (PP2 decode: 4.66 ms per step of
+# 8 tokens) and the GPU a few us per prefill token: below ~1k tokens a microbatch's GPU time does not
+# cover the next one's enqueue. An estimate from those runs, not a sweep (--microbatch-min-tokens).
+MICROBATCH_MIN_TOKENS = 1024
 
 
 @dataclass
@@ -85,10 +94,14 @@ def schedule(requests: list[Request], budget: int) -> list[tuple[Request, int]]:
     return entries
 
 
-def split_microbatches(entries: list[tuple[Request, int]], num_microbatches: int) -> list[list]:
-    """Up to ``num_microbatches`` contiguous groups of whole entries, balanced by token count: each entry
-    joins the group its middle token falls in (fewer groups when there are fewer entries)."""
+def split_microbatches(
+    entries: list[tuple[Request, int]], num_microbatches: int, min_tokens: int = 1
+) -> list[list]:
+    """Up to ``num_microbatches`` contiguous groups of whole entries, and no more than the entries'
+    tokens // ``min_tokens`` (at least one), balanced by token count: each entry joins the group its
+    middle token falls in (fewer groups when there are fewer entries)."""
     total = sum(count for _, count in entries)
+    num_microbatches = max(1, min(num_microbatches, total // min_tokens))
     groups = [[] for _ in range(num_microbatches)]
     done = 0
     for entry in entries:
@@ -108,6 +121,7 @@ class Engine:
         check_graphs=False,
         log=None,
         microbatches: int = 1,
+        microbatch_min_tokens: int = MICROBATCH_MIN_TOKENS,
     ):
         if policy.tp_size != model.tp_size:
             raise ValueError(f"policy.tp_size = {policy.tp_size} but the model runs on tp = {model.tp_size}")
@@ -117,8 +131,10 @@ class Engine:
             raise ValueError(
                 f"microbatches must be an int >= 1 (1: each step is one forward), got {microbatches!r}"
             )
+        if type(microbatch_min_tokens) is not int or microbatch_min_tokens < 1:
+            raise ValueError(f"microbatch_min_tokens must be a positive int, got {microbatch_min_tokens!r}")
         self.model, self.policy, self.max_tokens_per_step = model, policy, max_tokens_per_step
-        self.microbatches = microbatches
+        self.microbatches, self.microbatch_min_tokens = microbatches, microbatch_min_tokens
         self.device = model.device
         self.record_logits, self.check_graphs, self.log = record_logits, check_graphs, log
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Batch, torch.Tensor]] = {}
@@ -128,7 +144,11 @@ class Engine:
 
     # ------------------------------------------------------------------ batches
     def _tensor(self, values):
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        # From pageable memory a CUDA copy waits for the stream to drain, i.e. for every forward already
+        # enqueued; from pinned memory it is queued like a kernel, so the host goes on building the next
+        # microbatch while the GPU runs this one.
+        t = torch.tensor(values, dtype=torch.int64)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     def _pad_batch(self, padded: int) -> Batch:
         """A pure-pad decode batch: the static inputs of a graph before the first replay."""
@@ -239,7 +259,7 @@ class Engine:
         entries = schedule(requests, self.max_tokens_per_step)
         decode = all(req.decoding for req, _ in entries)  # every microbatch takes the step's path
         forwards = []  # ForwardInfo and entries per microbatch
-        for group in split_microbatches(entries, self.microbatches):
+        for group in split_microbatches(entries, self.microbatches, self.microbatch_min_tokens):
             num_tokens = sum(count for _, count in group)
             padded = self.policy.pad(num_tokens, decode)
             use_sp, graph = self.policy.use_sp(padded), decode and padded in self.graphs
@@ -247,12 +267,13 @@ class Engine:
         m = self.model
         self._sync()
         begin = time.perf_counter()
-        jobs = [(f, *self.build_batch(group, f.padded, decode)) for f, group in forwards]
         # A later stage posts every forward's receive first: microbatch k + 1's activations then
         # arrive while it computes microbatch k (and the stage before it computes k + 2).
-        receives = [m.post_recv(batch, f.use_sp) for f, batch, _ in jobs]
+        receives = [m.post_recv(f.num_tokens, f.padded, f.use_sp) for f, _ in forwards]
         samples, hidden, logits = [], [], None
-        for (f, batch, batch_samples), received in zip(jobs, receives, strict=True):
+        for (f, group), received in zip(forwards, receives, strict=True):
+            # Built right before its forward (Engram hashes included), while the GPU runs the last one.
+            batch, batch_samples = self.build_batch(group, f.padded, decode)
             out = self._forward(batch, f.use_sp, f.graph, received)
             samples += batch_samples
             if out is None:  # a stage before the last

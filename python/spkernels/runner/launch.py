@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from ..policy import SPPolicy
 from .config import ModelConfig, preset
-from .engine import Engine
+from .engine import MICROBATCH_MIN_TOKENS, Engine
 from .model import Model
 from .pipeline import make_stage
 from .weights import load_weights, random_weights, save_weights
@@ -40,6 +40,7 @@ class RunOptions:
     num_layers: int | None = None
     pp_direct_shards: bool = False  # SP steps send shards rank to rank between stages (pipeline.py)
     microbatches: int = 1  # forwards per step (whole requests each); stages overlap them (engine.py)
+    microbatch_min_tokens: int = MICROBATCH_MIN_TOKENS  # a step of N tokens: at most N // this forwards
     sp_threshold: int | str | None = "auto"
     prompts: int = 4
     prompt_len: int | None = None  # longest synthetic prompt; the others are shorter, varied
@@ -97,6 +98,10 @@ def plan(opts: RunOptions, config: ModelConfig | None = None) -> Plan:
     if not isinstance(opts.microbatches, int) or isinstance(opts.microbatches, bool) or opts.microbatches < 1:
         raise ValueError(
             f"--microbatches must be an int >= 1 (1: each step is one forward), got {opts.microbatches!r}"
+        )
+    if type(opts.microbatch_min_tokens) is not int or opts.microbatch_min_tokens < 1:
+        raise ValueError(
+            f"--microbatch-min-tokens must be a positive int, got {opts.microbatch_min_tokens!r}"
         )
     if opts.device not in ("cpu", "cuda"):
         raise ValueError(f"--device must be cpu or cuda, got {opts.device!r}")
@@ -194,6 +199,7 @@ def _generate(
         check_graphs=opts.check_graphs and graphs,
         log=log,
         microbatches=microbatches,
+        microbatch_min_tokens=opts.microbatch_min_tokens,
     )
     if graphs:
         engine.capture(min(len(plan_.prompts), opts.max_tokens_per_step))
@@ -320,8 +326,9 @@ def worker(rank: int, world_size: int, opts: RunOptions) -> dict | None:
         if log:
             log(
                 f"{config.arch}: {config.num_layers} layers, D={config.hidden_size}, tp={opts.tp}, "
-                f"pp={opts.pp}, microbatches<={opts.microbatches}, engram at {config.engram_layers}, "
-                f"experts={config.num_experts}, {plan_.policy}, "
+                f"pp={opts.pp}, microbatches<={opts.microbatches} (>={opts.microbatch_min_tokens} tokens "
+                f"each on average), engram at {config.engram_layers}, experts={config.num_experts}, "
+                f"{plan_.policy}, "
                 f"backend={comm.backend if comm else 'local'}, device={device}"
             )
         record = opts.check or opts.record_logits

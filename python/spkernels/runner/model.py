@@ -201,14 +201,14 @@ class Model:
         return ops.mhc_post_ar(partial, stream, post_mix, res_mix, self.comm.handle)
 
     # ------------------------------------------------------------------ forward
-    def post_recv(self, batch: Batch, use_sp: bool) -> pipeline.Receive | None:
-        """A later stage: post the receive of this forward's stream (and pre_mix) from the previous
-        stage now; posting every microbatch's receive before computing the first lets each transfer
-        overlap the compute of the ones before it. None on the first stage."""
+    def post_recv(self, num_tokens: int, padded: int, use_sp: bool) -> pipeline.Receive | None:
+        """A later stage: post the receive of a forward's stream (and pre_mix) from the previous stage
+        now; posting every microbatch's receive before computing the first lets each transfer overlap
+        the compute of the ones before it. None on the first stage."""
         if self.first_stage:
             return None
-        T, hc, dim = batch.input_ids.shape[0], self.config.hc, self.config.hidden_size
-        rows = T // self.tp_size if use_sp and self.stage.direct_shards else batch.num_tokens
+        hc, dim = self.config.hc, self.config.hidden_size
+        rows = padded // self.tp_size if use_sp and self.stage.direct_shards else num_tokens
         specs = [((rows, hc, dim), torch.bfloat16)]
         if self.delayed:
             specs.append(((rows, hc), torch.float32))
@@ -222,9 +222,10 @@ class Model:
         """-> (stream, pre_mix): the embedding on the first stage, else what the previous stage sent."""
         hc = self.config.hc
         if not self.first_stage:
-            received = (received or self.post_recv(batch, use_sp)).wait()
+            padded = batch.input_ids.shape[0]
+            received = (received or self.post_recv(batch.num_tokens, padded, use_sp)).wait()
             if not (use_sp and self.stage.direct_shards):
-                received = pipeline.stage_entry(received, batch.input_ids.shape[0], use_sp, self.comm)
+                received = pipeline.stage_entry(received, padded, use_sp, self.comm)
             return received[0], received[1] if self.delayed else None
         hidden = self.embed[batch.input_ids]
         if use_sp:  # shard the [T, D] embedding rather than the 4x larger stream: same rows
