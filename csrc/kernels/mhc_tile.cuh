@@ -18,6 +18,7 @@
 #include <nccl.h>
 #include <nccl_device.h>
 
+#include "kernels/lsa_barrier.cuh"
 #include "kernels/mhc_math.cuh"
 
 namespace spk {
@@ -27,12 +28,12 @@ namespace cg = cooperative_groups;
 enum class YSrc : int { kNone, kLocal, kPeers };
 
 struct LsaArgs {
-  ncclDevComm dev_comm;
   ncclWindow_t window;
   size_t partial_offset;  // bytes: this rank's [max_tokens, D] partial region of the window
   size_t gather_offset;   // bytes: this rank's [max_tokens, D] gather region of the window
   int rank, world;
   int partial_row0;  // first partial row this rank reduces (SP: rank * T_local; TP: 0)
+  BarrierArgs barrier;
 };
 
 struct TileArgs {
@@ -455,13 +456,14 @@ template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kGather, int kGPW>
 __global__ void __launch_bounds__(kThreads, kGPW == 1 ? 2 : 1) mhc_tile_kernel(const __grid_constant__ TileArgs a) {
   if constexpr (kPre) stage_fn_slice<kHead>(a);
   if constexpr (kSrc == YSrc::kPeers || kGather) {
-    ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), a.lsa.dev_comm, ncclTeamTagLsa(), blockIdx.x};
+    LsaBarrier bar(a.lsa.window, a.lsa.rank, a.lsa.world, a.lsa.barrier, blockIdx.x);
     // Entry: every peer's partial is written and nobody still reads the buffers we will write.
-    bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+    // A wait that timed out returns too: the CTA still runs every tile (and cluster sync).
+    bar.sync(BarrierSite::kEntry);
     mhc_tiles<kSrc, kPost, kPre, kHead, kGather, kGPW>(a);
     // Exit: our pushes are visible to the peers, theirs to us, and nobody reads our partial
     // any more (so the caller may overwrite it after this kernel).
-    bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+    bar.sync(BarrierSite::kExit);
     if constexpr (kGather) copy_gathered_rows(a);
   } else {
     mhc_tiles<kSrc, kPost, kPre, kHead, kGather, kGPW>(a);
