@@ -81,16 +81,18 @@ class LsaBarrier {
   __device__ void sync(BarrierSite site) {
     __syncthreads();
     for (int i = threadIdx.x; i < world_ - 1; i += blockDim.x) {
-      const int peer = i + (i >= rank_ ? 1 : 0);
-      cuda::atomic_ref<uint32_t, cuda::thread_scope_system> slot(*inbox(peer, rank_));
+      cuda::atomic_ref<uint32_t, cuda::thread_scope_system> slot(*inbox(other(i), rank_));
       slot.store(epoch_ + 1, cuda::memory_order_release);
     }
-    for (int i = threadIdx.x; i < world_ - 1; i += blockDim.x) wait_for(i + (i >= rank_ ? 1 : 0), site);
+    for (int i = threadIdx.x; i < world_ - 1; i += blockDim.x) wait_for(other(i), site);
     epoch_ += 1;
     __syncthreads();
   }
 
  private:
+  // The i-th peer other than this rank.
+  __device__ int other(int i) const { return i + (i >= rank_ ? 1 : 0); }
+
   // Slot [index_][slot] of `owner`'s inbox.
   __device__ uint32_t* inbox(int owner, int slot) const {
     const size_t off = args_.inbox_offset + ((size_t)index_ * kMaxPeers + slot) * sizeof(uint32_t);
