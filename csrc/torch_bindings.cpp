@@ -53,11 +53,13 @@ TORCH_LIBRARY(spkernels, m) {
 
   // Private: build facts and the CUDA communicator's lifetime (python/spkernels/comm.py).
   m.def("_build_info() -> int[]", &spk::build_info);
+  // Raises if a fused kernel's barrier timed out (lsa_barrier.cuh); kernel in csrc/ops/comm.cu.
+  m.def("_comm_check(int comm) -> ()");
 #ifdef SPK_WITH_CUDA
   m.def("_nccl_unique_id() -> int[]", &spk::nccl_unique_id);
   m.def(
       "_comm_create(int handle, int[] unique_id, int rank, int world_size, int device, int max_tokens, "
-      "int hidden_size, int hc, bool fused) -> int",
+      "int hidden_size, int hc, bool fused, float barrier_timeout_s) -> int",
       &spk::comm_create);
   m.def("_comm_destroy(int handle) -> ()", &spk::comm_destroy);
   m.def("_comm_partial_buffer(int handle, int num_tokens) -> Tensor", &spk::comm_partial_buffer);

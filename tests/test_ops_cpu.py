@@ -197,6 +197,40 @@ def test_partial_buffer_tp1(mhc, comm1):
         assert torch.equal(op(buf, stream, post_mix, res_mix, h), op(partial, stream, post_mix, res_mix, h))
 
 
+# ----------------------------------------------------------------------------- barrier timeout
+# The GPU side (a peer that dies mid-run) is tests/test_cuda_hang.py.
+def test_comm_check_op_registered():
+    """In every build; its kernel (CUDA builds) raises a fused kernel's barrier timeout."""
+    assert str(ops._comm_check.default._schema) == "spkernels::_comm_check(int comm) -> ()"
+
+
+def test_check_on_gloo_is_a_noop(comm1):
+    comm1.check()
+    comm1.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        comm1.check()
+
+
+@pytest.mark.parametrize(
+    "raw, want", [(None, 120.0), ("", 120.0), ("2", 2.0), (" 0.25 ", 0.25), ("0", 0.0), ("1e3", 1000.0)]
+)
+def test_barrier_timeout_env(monkeypatch, group1, raw, want):
+    if raw is None:
+        monkeypatch.delenv("SPK_BARRIER_TIMEOUT", raising=False)
+    else:
+        monkeypatch.setenv("SPK_BARRIER_TIMEOUT", raw)
+    with Communicator(group1, max_tokens=8, hidden_size=8) as comm:
+        monkeypatch.setenv("SPK_BARRIER_TIMEOUT", "7")  # read once, at creation
+        assert comm.barrier_timeout_s == want
+
+
+@pytest.mark.parametrize("raw", ["abc", "2s", "-1", "nan", "inf", "1e10"])
+def test_barrier_timeout_env_bad_value_is_named(monkeypatch, group1, raw):
+    monkeypatch.setenv("SPK_BARRIER_TIMEOUT", raw)
+    with pytest.raises(ValueError, match=rf"SPK_BARRIER_TIMEOUT .*got {re.escape(repr(raw))}"):
+        Communicator(group1, max_tokens=8, hidden_size=8)
+
+
 # ----------------------------------------------------------------------------- opcheck
 def opcheck_inputs(mhc, tp_size: int = 1) -> dict:
     T, D = 4, 64  # D = the comm1 fixture's hidden_size

@@ -7,16 +7,18 @@
 
 #include <cstdint>
 
+#include "kernels/lsa_barrier.cuh"
+
 namespace spk {
 
 constexpr int kGatherThreads = 512;
 
 // static: internal linkage, as every translation unit that launches it includes this header.
 static __global__ void __launch_bounds__(kGatherThreads)
-    lsa_all_gather_kernel(const __grid_constant__ ncclDevComm dev_comm, ncclWindow_t window, size_t gather_offset,
-                          size_t bytes, int rank, int world, char* out) {
-  ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), dev_comm, ncclTeamTagLsa(), blockIdx.x};
-  bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);  // every rank's block is staged
+    lsa_all_gather_kernel(ncclWindow_t window, size_t gather_offset, size_t bytes, int rank, int world,
+                          const __grid_constant__ BarrierArgs barrier, char* out) {
+  LsaBarrier bar(window, rank, world, barrier, blockIdx.x);
+  bar.sync(BarrierSite::kGatherEntry);  // every rank's block is staged
   const bool vec = bytes % 16 == 0;
   const size_t n = vec ? bytes / 16 : bytes;
   const size_t stride = (size_t)gridDim.x * blockDim.x;
@@ -31,7 +33,7 @@ static __global__ void __launch_bounds__(kGatherThreads)
         dst[k] = src[k];
     }
   }
-  bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);  // nobody reads our block any more
+  bar.sync(BarrierSite::kGatherExit);  // nobody reads our block any more
 }
 
 // Grid: a function of the byte count only (identical on every rank), at most max_ctas.

@@ -80,7 +80,7 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   if ((e = cudaGetLastError()) != cudaSuccess || !kGather) return e;
   const size_t bytes = (size_t)T * D * 2;
   lsa_all_gather_kernel<<<lsa_all_gather_grid(bytes, max_ctas), kGatherThreads, 0, stream>>>(
-      a.lsa.dev_comm, a.lsa.window, a.lsa.gather_offset, bytes, a.lsa.rank, a.lsa.world,
+      a.lsa.window, a.lsa.gather_offset, bytes, a.lsa.rank, a.lsa.world, a.lsa.barrier,
       reinterpret_cast<char*>(a.layer_input));
   return cudaGetLastError();
 }

@@ -18,6 +18,7 @@
 #include <nccl.h>
 #include <nccl_device.h>
 
+#include "kernels/lsa_barrier.cuh"
 #include "kernels/mhc_math.cuh"
 
 namespace spk {
@@ -25,12 +26,12 @@ namespace spk {
 enum class YSrc : int { kNone, kLocal, kPeers };
 
 struct LsaArgs {
-  ncclDevComm dev_comm;
   ncclWindow_t window;
   size_t partial_offset;  // bytes: this rank's [max_tokens, D] partial region of the window
   size_t gather_offset;   // bytes: this rank's [max_tokens, D] gather region of the window
   int rank, world;
   int partial_row0;  // first partial row this rank reduces (SP: rank * T_local; TP: 0)
+  BarrierArgs barrier;
 };
 
 struct TileArgs {
@@ -304,11 +305,11 @@ __global__ void __launch_bounds__(kThreads, 2) mhc_rows_kernel(const __grid_cons
     }
   }
   if constexpr (kSrc == YSrc::kPeers) {
-    ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), a.lsa.dev_comm, ncclTeamTagLsa(), blockIdx.x};
-    // Entry: every peer's partial is written.
-    bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+    LsaBarrier bar(a.lsa.window, a.lsa.rank, a.lsa.world, a.lsa.barrier, blockIdx.x);
+    // Entry: every peer's partial is written. A wait that timed out returns too (the host reports it).
+    bar.sync(BarrierSite::kEntry);
     mhc_rows<kSrc, kPost, kPre, kHead>(a, staged);
-    if constexpr (!kPre) bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+    if constexpr (!kPre) bar.sync(BarrierSite::kExit);
   } else {
     mhc_rows<kSrc, kPost, kPre, kHead>(a, staged);
   }
@@ -326,8 +327,8 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
   __shared__ float s_scale[3], s_base[kMix];
   if (a.exit_barrier && blockIdx.x == 0) {
     // TP boundary: every peer has finished pass 1, so nobody reads this rank's partial any more.
-    ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), a.lsa.dev_comm, ncclTeamTagLsa(), 0};
-    bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+    LsaBarrier bar(a.lsa.window, a.lsa.rank, a.lsa.world, a.lsa.barrier, 0);
+    bar.sync(BarrierSite::kExit);
   }
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int D = a.hidden, nvec = D >> 3, T = a.num_tokens, S = a.slices;

@@ -1,7 +1,10 @@
 // Communicator lifetime: NCCL bootstrap from a unique id, symmetric window, device communicator.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
 
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -24,6 +27,19 @@ int local_max_ctas(int hidden) {
   return n;
 }
 
+// The minimum of `val` over the ranks; a rank returns only after every rank has called it and
+// everything it enqueued on `st` before has finished.
+int rank_min(const CommState& s, int val, cudaStream_t st) {
+  int* d_val = nullptr;
+  SPK_CUDA_CHECK(cudaMallocAsync((void**)&d_val, sizeof(int), st));
+  SPK_CUDA_CHECK(cudaMemcpyAsync(d_val, &val, sizeof(int), cudaMemcpyHostToDevice, st));
+  SPK_NCCL_CHECK(ncclAllReduce(d_val, d_val, 1, ncclInt32, ncclMin, s.comm, st), s.comm);
+  SPK_CUDA_CHECK(cudaMemcpyAsync(&val, d_val, sizeof(int), cudaMemcpyDeviceToHost, st));
+  SPK_CUDA_CHECK(cudaFreeAsync(d_val, st));
+  SPK_CUDA_CHECK(cudaStreamSynchronize(st));
+  return val;
+}
+
 }  // namespace
 
 CommState& get_comm(int64_t handle) {
@@ -32,6 +48,18 @@ CommState& get_comm(int64_t handle) {
   SPK_CHECK(it != g_comms.end(), "comm ", handle,
             " is not an open CUDA spkernels.Communicator (closed, never created, or a gloo one)");
   return *it->second;
+}
+
+void check_barrier(const CommState& c) {
+  const BarrierError* e = c.barrier_error;
+  if (__atomic_load_n(&e->flag, __ATOMIC_ACQUIRE) == 0) return;  // pairs with the device's release
+  char timeout[32];
+  std::snprintf(timeout, sizeof(timeout), "%g", c.barrier_timeout_s);  // C stdio: no iostream facets
+  SPK_CHECK(false, "spkernels: rank ", c.rank, "'s LSA barrier (", barrier_site_name(e->site), ", CTA ", e->cta,
+            ") timed out after ", timeout, " s (SPK_BARRIER_TIMEOUT) waiting for rank ", e->peer,
+            ": a peer died or stopped calling the same ops. Communicator ", c.handle,
+            " is unusable: recreate the process group (with a peer gone, NCCL's teardown in close() may "
+            "block; exiting the process is the sure way out)");
 }
 
 std::vector<int64_t> nccl_unique_id() {
@@ -43,13 +71,15 @@ std::vector<int64_t> nccl_unique_id() {
 }
 
 int64_t comm_create(int64_t handle, std::vector<int64_t> unique_id, int64_t rank, int64_t world_size, int64_t device,
-                    int64_t max_tokens, int64_t hidden_size, int64_t hc, bool fused) {
+                    int64_t max_tokens, int64_t hidden_size, int64_t hc, bool fused, double barrier_timeout_s) {
   ncclUniqueId id;
   SPK_CHECK(unique_id.size() == sizeof(id), "unique_id must have ", sizeof(id), " bytes, got ", unique_id.size());
   SPK_CHECK(hc == kHC, "hc must be 4 for a CUDA Communicator (the kernels specialise hc = 4), got ", hc);
   SPK_CHECK(hidden_size > 0 && hidden_size % 8 == 0 && hidden_size <= kMaxHidden,
             "hidden_size must be a multiple of 8 in [8, ", kMaxHidden, "], got ", hidden_size);
   SPK_CHECK(max_tokens > 0 && max_tokens <= (1 << 24), "max_tokens must be in [1, 2^24], got ", max_tokens);
+  SPK_CHECK(barrier_timeout_s >= 0 && barrier_timeout_s <= 1e9, "barrier_timeout_s must be in [0, 1e9], got ",
+            barrier_timeout_s);
   for (size_t i = 0; i < sizeof(id); ++i) id.internal[i] = (char)unique_id[i];
   {
     std::lock_guard<std::mutex> lock(g_mu);
@@ -68,29 +98,34 @@ int64_t comm_create(int64_t handle, std::vector<int64_t> unique_id, int64_t rank
   s->max_tokens = max_tokens;
   s->hidden = hidden_size;
   SPK_NCCL_CHECK(ncclCommInitRank(&s->comm, s->world, id, s->rank), nullptr);
-  s->buffer_bytes = 2 * s->region_bytes();
-  SPK_NCCL_CHECK(ncclMemAlloc(&s->buffer, s->buffer_bytes), s->comm);
-  SPK_NCCL_CHECK(ncclCommWindowRegister(s->comm, s->buffer, s->buffer_bytes, &s->window, NCCL_WIN_COLL_SYMMETRIC),
-                 s->comm);
+  cudaStream_t st = c10::cuda::getCurrentCUDAStream();
 
   // Every rank must launch the same fused grids (the LSA barriers pair CTAs by index), so the
   // CTA cap is the minimum over ranks.
-  {
-    int* d_val = nullptr;
-    int val = local_max_ctas((int)hidden_size);
-    cudaStream_t st = c10::cuda::getCurrentCUDAStream();
-    SPK_CUDA_CHECK(cudaMallocAsync((void**)&d_val, sizeof(int), st));
-    SPK_CUDA_CHECK(cudaMemcpyAsync(d_val, &val, sizeof(int), cudaMemcpyHostToDevice, st));
-    SPK_NCCL_CHECK(ncclAllReduce(d_val, d_val, 1, ncclInt32, ncclMin, s->comm, st), s->comm);
-    SPK_CUDA_CHECK(cudaMemcpyAsync(&val, d_val, sizeof(int), cudaMemcpyDeviceToHost, st));
-    SPK_CUDA_CHECK(cudaFreeAsync(d_val, st));
-    SPK_CUDA_CHECK(cudaStreamSynchronize(st));
-    s->max_ctas = val;
-  }
+  s->max_ctas = rank_min(*s, local_max_ctas((int)hidden_size), st);
+
+  s->buffer_bytes = s->inbox_offset() + s->inbox_bytes();
+  SPK_NCCL_CHECK(ncclMemAlloc(&s->buffer, s->buffer_bytes), s->comm);
+  SPK_NCCL_CHECK(ncclCommWindowRegister(s->comm, s->buffer, s->buffer_bytes, &s->window, NCCL_WIN_COLL_SYMMETRIC),
+                 s->comm);
+  // Barrier state (lsa_barrier.cuh). ncclMemAlloc does not zero: a stale inbox word would let a
+  // wait pass early. No rank may arrive before every rank has zeroed its inbox, hence the
+  // collective after the memsets.
+  BarrierArgs& b = s->barrier;
+  b.inbox_offset = s->inbox_offset();
+  b.timeout_ns = (uint64_t)std::ceil(barrier_timeout_s * 1e9);
+  s->barrier_timeout_s = barrier_timeout_s;
+  SPK_CUDA_CHECK(cudaMalloc((void**)&b.epochs, (s->max_ctas + 1) * sizeof(uint32_t)));
+  b.failed = b.epochs + s->max_ctas;
+  SPK_CUDA_CHECK(cudaHostAlloc((void**)&s->barrier_error, sizeof(BarrierError), cudaHostAllocMapped));
+  std::memset(s->barrier_error, 0, sizeof(BarrierError));
+  SPK_CUDA_CHECK(cudaHostGetDevicePointer((void**)&b.error, s->barrier_error, 0));
+  SPK_CUDA_CHECK(cudaMemsetAsync(b.epochs, 0, (s->max_ctas + 1) * sizeof(uint32_t), st));
+  SPK_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(s->buffer) + s->inbox_offset(), 0, s->inbox_bytes(), st));
+  rank_min(*s, 0, st);
 
   ncclDevCommRequirements reqs;
   std::memset(&reqs, 0, sizeof(reqs));
-  reqs.lsaBarrierCount = s->max_ctas;
   SPK_NCCL_CHECK(ncclDevCommCreate(s->comm, &reqs, &s->dev_comm), s->comm);
   s->has_dev_comm = true;
   // Fused kernels need every peer reachable by load/store (one node, NVLink or P2P) and sum at
@@ -117,6 +152,8 @@ void comm_destroy(int64_t handle) {
   if (s->has_dev_comm) SPK_NCCL_CHECK(ncclDevCommDestroy(s->comm, &s->dev_comm), s->comm);
   SPK_NCCL_CHECK(ncclCommWindowDeregister(s->comm, s->window), s->comm);
   SPK_NCCL_CHECK(ncclMemFree(s->buffer), s->comm);
+  SPK_CUDA_CHECK(cudaFree(s->barrier.epochs));
+  SPK_CUDA_CHECK(cudaFreeHost(s->barrier_error));
   SPK_NCCL_CHECK(ncclCommFinalize(s->comm), s->comm);
   SPK_NCCL_CHECK(ncclCommDestroy(s->comm), nullptr);
 }
@@ -130,3 +167,8 @@ at::Tensor comm_partial_buffer(int64_t handle, int64_t num_tokens) {
 }
 
 }  // namespace spk
+
+// The op has no tensor arguments, so its kernel sits under the key that such calls dispatch to.
+TORCH_LIBRARY_IMPL(spkernels, CompositeExplicitAutograd, m) {
+  m.impl("_comm_check", [](int64_t comm) { spk::check_barrier(spk::get_comm(comm)); });
+}

@@ -1,11 +1,13 @@
 #pragma once
 // The CUDA side of spkernels.Communicator: an NCCL communicator, one symmetric window holding
-// this rank's partial region and gather region, and an ncclDevComm with one LSA barrier per
-// CTA of the largest fused grid. Owned by a registry keyed by the Python handle.
+// this rank's partial region, gather region and barrier inboxes, the barriers' local state, and an
+// ncclDevComm. Owned by a registry keyed by the Python handle.
 #include <nccl.h>
 #include <nccl_device.h>
 
 #include <cstdint>
+
+#include "kernels/lsa_barrier.cuh"
 
 namespace spk {
 
@@ -21,13 +23,21 @@ struct CommState {
   ncclWindow_t window = nullptr;
   ncclDevComm dev_comm = {};
   bool has_dev_comm = false;
+  double barrier_timeout_s = 0;           // SPK_BARRIER_TIMEOUT; 0: the barriers wait forever
+  BarrierArgs barrier = {};               // epochs and `failed`: one device allocation
+  BarrierError* barrier_error = nullptr;  // host side of barrier.error (pinned, mapped)
 
   size_t region_bytes() const { return (size_t)max_tokens * hidden * 2; }
   size_t partial_offset() const { return 0; }
   size_t gather_offset() const { return region_bytes(); }
+  size_t inbox_offset() const { return 2 * region_bytes(); }
+  size_t inbox_bytes() const { return (size_t)max_ctas * kMaxPeers * sizeof(uint32_t); }
 };
 
 // Throws a RuntimeError naming the handle if it is not an open CUDA communicator.
 CommState& get_comm(int64_t handle);
+
+// Throws the RuntimeError of the first barrier timeout on `c`, if one happened.
+void check_barrier(const CommState& c);
 
 }  // namespace spk

@@ -12,6 +12,7 @@ namespace {
 // rows: this rank's rows; in SP mode the op's T is tp * rows.
 CommState& comm_for(int64_t handle, const Tensor& t, int64_t rows, bool sp) {
   CommState& c = get_comm(handle);
+  check_barrier(c);
   const int64_t num_tokens = sp ? rows * c.world : rows;
   SPK_CHECK(t.is_cuda() && t.get_device() == c.device, "comm ", handle, " lives on cuda:", c.device,
             ", got tensors on ", t.device());
@@ -45,13 +46,13 @@ void stage_partial(const CommState& c, const Tensor& partial) {
 }
 
 void set_lsa(TileArgs& a, const CommState& c, int partial_row0) {
-  a.lsa.dev_comm = c.dev_comm;
   a.lsa.window = c.window;
   a.lsa.partial_offset = c.partial_offset();
   a.lsa.gather_offset = c.gather_offset();
   a.lsa.rank = c.rank;
   a.lsa.world = c.world;
   a.lsa.partial_row0 = partial_row0;
+  a.lsa.barrier = c.barrier;
 }
 
 // The lsa path of a boundary that starts with a post: stage the partial, sum rows from
@@ -170,7 +171,7 @@ Tensor sp_all_gather_cuda(const Tensor& x_local, int64_t num_tokens, int64_t com
     char* staged = static_cast<char*>(c.buffer) + c.gather_offset() + c.rank * bytes;
     SPK_CUDA_CHECK(cudaMemcpyAsync(staged, x_local.data_ptr(), bytes, cudaMemcpyDeviceToDevice, st));
     lsa_all_gather_kernel<<<lsa_all_gather_grid(bytes, c.max_ctas), kGatherThreads, 0, st>>>(
-        c.dev_comm, c.window, c.gather_offset(), bytes, c.rank, c.world, static_cast<char*>(full.data_ptr()));
+        c.window, c.gather_offset(), bytes, c.rank, c.world, c.barrier, static_cast<char*>(full.data_ptr()));
     SPK_CUDA_CHECK(cudaGetLastError());
   } else {
     // Larger than the symmetric gather region (e.g. the whole stream at a pipeline boundary), or

@@ -9,6 +9,7 @@ closed or unknown handle is an error naming it instead of a crash.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 
@@ -19,6 +20,23 @@ _registry: dict[int, Communicator] = {}
 _next_handle = itertools.count(1)
 _lock = threading.Lock()
 _BACKENDS = {0: "lsa", 1: "nccl"}
+DEFAULT_BARRIER_TIMEOUT_S = 120.0
+
+
+def barrier_timeout_s() -> float:
+    """Seconds a fused kernel waits at a barrier for a peer: SPK_BARRIER_TIMEOUT, 0 = forever."""
+    raw = os.environ.get("SPK_BARRIER_TIMEOUT", "").strip()
+    if not raw:
+        return DEFAULT_BARRIER_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1e9:  # also refuses nan and inf
+        raise ValueError(
+            f"SPK_BARRIER_TIMEOUT must be a number of seconds in [0, 1e9] (0: wait forever), got {raw!r}"
+        )
+    return value
 
 
 def lookup(handle: int) -> Communicator:
@@ -33,6 +51,13 @@ class Communicator:
 
     Construct it on every rank of ``group`` at the same point (it is collective), then pass
     ``comm.handle`` to the ops. ``device`` defaults to CUDA for NCCL groups and CPU for gloo.
+
+    No infinite hang: a fused kernel waits at most ``SPK_BARRIER_TIMEOUT`` seconds (read here;
+    default 120, 0 = forever) for a peer at each of its barriers. A peer that died or stopped
+    calling the same ops makes the waiting kernel give up (its outputs are garbage) and marks the
+    communicator failed: every later op on it, and ``check()``, raises a RuntimeError naming the
+    barrier and the missing rank. The communicator is then unusable; with a peer gone, NCCL's
+    teardown in ``close()`` may block, so exit the process and recreate the process group.
     """
 
     def __init__(
@@ -53,6 +78,7 @@ class Communicator:
         self.rank = dist.get_rank(self.group)
         self.tp_size = dist.get_world_size(self.group)
         self.max_tokens, self.hidden_size, self.hc = max_tokens, hidden_size, hc
+        self.barrier_timeout_s = barrier_timeout_s()
         group_backend = str(dist.get_backend(self.group))
         if device is None:
             device = "cuda" if "nccl" in group_backend else "cpu"
@@ -87,7 +113,7 @@ class Communicator:
         fused = os.environ.get("SPK_FUSED", "1") != "0"
         code = ops._comm_create(
             self.handle, uid[0], self.rank, self.tp_size, self.device.index,
-            self.max_tokens, self.hidden_size, self.hc, fused,
+            self.max_tokens, self.hidden_size, self.hc, fused, self.barrier_timeout_s,
         )  # fmt: skip
         return _BACKENDS[int(code)]
 
@@ -107,6 +133,17 @@ class Communicator:
         if self._buffer is not None:
             return self._buffer[:num_tokens]
         return torch.ops.spkernels._comm_partial_buffer(self.handle, num_tokens)
+
+    def check(self) -> None:
+        """Raise the RuntimeError of a fused kernel's barrier that timed out, if one did.
+
+        Synchronises this communicator's device first, so that every op issued so far has finished
+        or given up. A gloo communicator has no barriers: nothing to check.
+        """
+        self._check_open()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.ops.spkernels._comm_check(self.handle)
 
     def _check_open(self) -> None:
         if self._closed:

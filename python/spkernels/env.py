@@ -14,7 +14,7 @@ from . import _library
 from ._library import BUILD_INFO
 from .version import __version__
 
-# The fused (lsa) path needs the NCCL device API: LSA barriers and symmetric-memory windows.
+# The fused (lsa) path needs the NCCL device API: symmetric-memory windows and LSA pointers.
 LSA_MIN_NCCL = (2, 28)
 
 
