@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
 # One device-machine session: build, GPU test suite, benchmarks. Logs and JSON land in $OUT.
-# Usage (on the GPU machine, from the repo root): bash scripts/gpu_run.sh [test|runner|pp|bench|all] [pytest args...]
+# Usage (on the GPU machine, from the repo root):
+#   bash scripts/gpu_run.sh [all | comma list of test,runner,pp,bench,load,sanitize] [pytest args...]
+# Parts run in the order test, bench, runner, load, sanitize, pp. DEADLINE=<seconds> skips a part once less than its budget is left.
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/spk_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export MAX_JOBS=${MAX_JOBS:-16}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$OUT/machine.txt" 2>&1
-# At most 8 files come back from $OUT: machine.txt, build.log, pytest_gpu.log, bench.log, the
-# bench's json/png/txt and runner.log.
+# At most 8 files come back from $OUT: machine.txt, pytest_gpu.log, the bench's json/png/txt,
+# runner.log (runner + pp + load console), load.json, sanitize_summary.txt (build.log on failure).
 start=$(date +%s)
 if ! python3 -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
   tail -60 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
 fi
+rm -f "$OUT/build.log"
 echo "build: $(( $(date +%s) - start )) s"
+left() { echo $(( ${DEADLINE:-100000} - ($(date +%s) - start) )); }
+fits() { if (( $(left) < $1 )); then echo "SKIPPED $2: $(left) s left < $1 s" | tee -a "$OUT/runner.log"; return 1; fi; }
 python3 -c "
 import torch, spkernels, spkernels._library as L
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl runtime', L.runtime_nccl_version(), 'compiled', L.COMPILED_NCCL_VERSION)
@@ -21,13 +26,18 @@ print('ops:', sorted(n.split('::')[1] for n in torch._C._dispatch_get_all_op_nam
 " 2>&1 | tee -a "$OUT/machine.txt"
 rc=0
 want() { [[ $what == all || ,$what, == *,$1,* ]]; }  # what: all, or a comma list
-if want test; then
+if want test && fits 120 test; then
   targets=("$@"); [[ ${#targets[@]} -eq 0 ]] && targets=(-m gpu tests)  # the GPU suite; CI runs the rest
-  timeout 1200 python3 -m pytest -q -p no:cacheprovider "${targets[@]}" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+  # A broken barrier shows as a timeout error, not a suite-long hang.
+  SPK_BARRIER_TIMEOUT=${SPK_BARRIER_TIMEOUT:-30} timeout $(( $(left) < 1200 ? $(left) : 1200 )) python3 -m pytest -q -rP -p no:cacheprovider "${targets[@]}" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
   rc=${PIPESTATUS[0]}
   echo "pytest rc=$rc"
+  grep -A2 "hang detection" "$OUT/pytest_gpu.log" | head -12
 fi
-if want runner; then
+if want bench && fits 90 bench; then
+  timeout $(( $(left) < ${BENCH_TIMEOUT:-420} ? $(left) : ${BENCH_TIMEOUT:-420} )) python3 bench/collectives.py ${BENCH_ARGS:---quick} --out "$OUT" 2>&1 | tail -60
+fi
+if want runner && fits 100 runner; then
   # Issue 6 measurements: prefill with and without SP at 2 x 8k tokens; decode with and without graphs.
   run() { echo "=== $*" >> "$OUT/runner.log"; timeout ${RUNNER_TIMEOUT:-90} python3 -m spkernels.runner --device cuda --tp 2 \
             --preset v4-flash-like --quiet "$@" >> "$OUT/runner.log" 2>&1; echo "rc=$?" >> "$OUT/runner.log"; }
@@ -37,18 +47,23 @@ if want runner; then
   run --prompts 16 --prompt-len 64 --gen 24 --warmup 1 --no-graphs
   grep -E "^===|prefill|decode:|peak|rc=|Error" "$OUT/runner.log"
 fi
-if want pp; then
+if want load && fits 90 load; then
+  # Issue 8: back-to-back fused boundaries across the GPUs, checked as they run (bench/load.py).
+  python3 bench/load.py --calls ${LOAD_CALLS:-100000} --timeout $(( $(left) - 30 )) --out "$OUT" 2>&1 \
+    | tee -a "$OUT/runner.log" | grep -E "LOAD|Error|error" | tail -5
+fi
+if want sanitize && fits 90 sanitize; then
+  SAN_TIMEOUT=${SAN_TIMEOUT:-120} bash scripts/sanitize.sh ${SAN_TOOLS:-memcheck} | tail -8
+  grep -q CLEAN "$OUT/sanitize_summary.txt" || tail -80 "$OUT/sanitize.log" >> "$OUT/sanitize_summary.txt"
+  rm -f "$OUT/sanitize.log"
+fi
+if want pp && fits 100 pp; then
   # Issue 7 measurement: PP2 x TP1 on 2 GPUs (v4.1), without and with microbatching.
   pp() { echo "=== $*" >> "$OUT/runner.log"; timeout ${RUNNER_TIMEOUT:-90} python3 -m spkernels.runner --device cuda --tp 1 --pp 2 \
             --arch v4.1 --preset v4-flash-like --quiet "$@" >> "$OUT/runner.log" 2>&1; echo "rc=$?" >> "$OUT/runner.log"; }
   pp --prompts 8 --prompt-len 2048 --gen 16 --warmup 1 --microbatches 1
-  pp --prompts 8 --prompt-len 2048 --gen 16 --warmup 1 --microbatches 2
   pp --prompts 8 --prompt-len 2048 --gen 16 --warmup 1 --microbatches 4
-  pp --prompts 8 --prompt-len 2048 --gen 16 --warmup 1 --microbatches 4 --microbatch-min-tokens 1  # decode split too
   pp --prompts 8 --prompt-len 2048 --gen 4 --microbatches 4 --check
   grep -E "^===|prefill|decode:|peak|rc=|Error|check" "$OUT/runner.log"
-fi
-if want bench; then
-  timeout ${BENCH_TIMEOUT:-420} python3 bench/collectives.py ${BENCH_ARGS:---quick} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
 exit $rc
