@@ -54,7 +54,7 @@ if want load && fits 90 load; then
 fi
 if want sanitize && fits 90 sanitize; then
   SAN_TIMEOUT=${SAN_TIMEOUT:-120} bash scripts/sanitize.sh ${SAN_TOOLS:-memcheck} | tail -8
-  grep -q CLEAN "$OUT/sanitize_summary.txt" || tail -80 "$OUT/sanitize.log" >> "$OUT/sanitize_summary.txt"
+  grep -q "^sanitize: CLEAN" "$OUT/sanitize_summary.txt" || tail -80 "$OUT/sanitize.log" >> "$OUT/sanitize_summary.txt"
   rm -f "$OUT/sanitize.log"
 fi
 if want pp && fits 100 pp; then
