@@ -7,7 +7,7 @@
 #   SAN_MODES="local comm"   which workloads (default both)
 #   SAN_TIMEOUT=240          seconds per tool x workload run
 #   SAN_ALL_KERNELS=1        also instrument NCCL's own kernels (default: skip ncclDevKernel_*, not ours)
-#   SAN_API_ERRORS=explicit  also count failed CUDA API calls (default none: NCCL's init probes kernel
+#   SAN_API_ERRORS=explicit  also count failed CUDA API calls (default no: NCCL's init probes kernel
 #                            images with cudaFuncGetAttributes, and every probe that finds none for
 #                            this GPU is reported as an error; device memory errors are always counted)
 # Writes $OUT/sanitize.log (every run's output, --print-limit 20 reports each) and
@@ -46,7 +46,7 @@ for tool in "${tools[@]}"; do
     echo "===== $tool $mode" >> "$log"
     start=$(date +%s)
     timeout -k 15 "$timeout_s" "$san" --tool "$tool" --print-limit 20 --target-processes all "${filter[@]}" \
-      --report-api-errors "${SAN_API_ERRORS:-none}" \
+      --report-api-errors "${SAN_API_ERRORS:-no}" \
       python3 scripts/sanitize_ops.py --mode "$mode" > "$OUT/.san_run.log" 2>&1
     rc=$?
     cat "$OUT/.san_run.log" >> "$log"
