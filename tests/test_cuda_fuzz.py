@@ -25,7 +25,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from spkernels import reference as ref
 from test_cuda_local import MIX_ATOL, expected_layer_input, post_slack
-from test_fuzz_cpu import Case, assert_other_tokens_identical, bad_cases
+from test_fuzz_cpu import (
+    Case,
+    assert_other_tokens_identical,
+    bad_cases,
+    run_poisoned_post,
+    run_poisoned_stream,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 ops = torch.ops.spkernels
@@ -152,32 +158,15 @@ def check_pre_nonfinite(got, clean, token, cols, fresh: bool, prefix: str = "") 
 @FUZZ
 @given(bad_cases(cases()))
 def test_mhc_pre_nonfinite_input(bad):
-    case, token, cols, streams, value = bad
-    clean = cuda(case.stream())[0]
-    stream = clean.clone()
-    stream[token, streams, cols] = value
-    site = cuda(*case.site())
-    got = ops.mhc_pre(stream, *site)
-    check_pre_nonfinite(got, ops.mhc_pre(clean, *site), token, cols, fresh=site[-1] is None)
+    _, token, cols, _, _ = bad
+    got, clean, site = run_poisoned_stream("mhc_pre", bad, cuda)
+    check_pre_nonfinite(got, clean, token, cols, fresh=site[-1] is None)
 
 
 @FUZZ
 @given(bad_cases(cases()), st.sampled_from(["stream", "y", "mixes"]))
 def test_mhc_post_nonfinite_input(bad, where):
-    case, token, cols, streams, value = bad
-    stream, y, post_mix, res_mix = cuda(case.stream(), case.y(), *case.mixes())
-    clean = ops.mhc_post(y, stream, post_mix, res_mix)
-    bad_cols = torch.zeros_like(clean, dtype=torch.bool)
-    if where == "stream":
-        stream[token, streams, cols] = value
-        bad_cols[token, :, cols] = True
-    elif where == "y":
-        y[token, cols] = value
-        bad_cols[token, :, cols] = True
-    else:
-        post_mix[token], res_mix[token] = float("nan"), float("nan")
-        bad_cols[token] = True
-    got = ops.mhc_post(y, stream, post_mix, res_mix)
+    got, clean, bad_cols, _ = run_poisoned_post("mhc_post", bad, where, cuda)
     assert torch.equal(got[~bad_cols], clean[~bad_cols]), f"{where}: finite positions changed"
     assert not torch.isfinite(got[bad_cols]).any(), f"{where}: a non-finite input gave a finite output"
 
@@ -185,17 +174,8 @@ def test_mhc_post_nonfinite_input(bad, where):
 @FUZZ
 @given(bad_cases(cases()), st.sampled_from(["stream", "y"]))
 def test_mhc_post_pre_nonfinite_input(bad, where):
-    case, token, cols, streams, value = bad
-    stream, y, post_mix, res_mix = cuda(case.stream(), case.y(), *case.mixes())
-    site = cuda(*case.site())
-    clean = ops.mhc_post_pre(y, stream, post_mix, res_mix, *site)
-    if where == "stream":
-        stream[token, streams, cols] = value
-    else:
-        y[token, cols] = value
-    got = ops.mhc_post_pre(y, stream, post_mix, res_mix, *site)
-    bad_cols = torch.zeros_like(clean[0], dtype=torch.bool)
-    bad_cols[token, :, cols] = True
+    _, token, cols, _, _ = bad
+    got, clean, bad_cols, site = run_poisoned_post("mhc_post_pre", bad, where, cuda)
     assert torch.equal(got[0][~bad_cols], clean[0][~bad_cols]), "new_stream: finite positions changed"
     assert not torch.isfinite(got[0][bad_cols]).any(), "new_stream: a non-finite input gave a finite output"
     # The next site's pre sees a non-finite new-stream row in those columns.
@@ -205,11 +185,7 @@ def test_mhc_post_pre_nonfinite_input(bad, where):
 @FUZZ
 @given(bad_cases(cases()))
 def test_mhc_head_nonfinite_input(bad):
-    case, token, cols, streams, value = bad
-    clean = cuda(case.stream())[0]
-    stream = clean.clone()
-    stream[token, streams, cols] = value
-    head = cuda(*case.head())
-    got = ops.mhc_head(stream, *head)
-    assert_other_tokens_identical(got, ops.mhc_head(clean, *head), token, "head")
+    token = bad[1]
+    got, clean, _ = run_poisoned_stream("mhc_head", bad, cuda)
+    assert_other_tokens_identical(got, clean, token, "head")
     assert not torch.isfinite(got[token]).any(), f"head[{token}] has finite values"

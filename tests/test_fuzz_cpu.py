@@ -248,26 +248,28 @@ def check_pre_nonfinite(got, clean, token, cols, fresh: bool, prefix: str = "") 
         assert not torch.isfinite(row[cols]).any(), f"{prefix}layer_input[{token}, {cols}] is finite"
 
 
-@FUZZ
-@given(bad_cases())
-def test_mhc_pre_nonfinite_input(bad):
+def run_poisoned_stream(op_name: str, bad, dev=lambda *ts: ts) -> tuple:
+    """mhc_pre or mhc_head on the case's stream, clean and with token `token` poisoned, on the
+    tensors `dev` places (test_cuda_fuzz.py passes its cuda()). -> (got, clean, site or head args)."""
     case, token, cols, streams, value = bad
-    clean = case.stream()
-    stream = clean.clone()
+    clean_in = dev(case.stream())[0]
+    stream = clean_in.clone()
     stream[token, streams, cols] = value
-    site = case.site()
-    got = ops.mhc_pre(stream, *site)
-    check_pre_nonfinite(got, ops.mhc_pre(clean, *site), token, cols, fresh=site[-1] is None)
+    args = dev(*(case.head() if op_name == "mhc_head" else case.site()))
+    op = getattr(ops, op_name)
+    return op(stream, *args), op(clean_in, *args), args
 
 
-@FUZZ
-@given(bad_cases(), st.sampled_from(["stream", "y", "mixes"]))
-def test_mhc_post_nonfinite_input(bad, where):
+def run_poisoned_post(op_name: str, bad, where: str, dev=lambda *ts: ts) -> tuple:
+    """mhc_post or mhc_post_pre, clean and with token `token` poisoned in `where` ("stream", "y" or
+    "mixes"), on the tensors `dev` places. -> (got, clean, bad_cols, site): bad_cols marks the
+    new-stream positions that must turn non-finite; site is () for mhc_post."""
     case, token, cols, streams, value = bad
-    stream, y = case.stream(), case.y()
-    post_mix, res_mix = case.mixes()
-    clean = ops.mhc_post(y, stream, post_mix, res_mix)
-    bad_cols = torch.zeros_like(clean, dtype=torch.bool)
+    stream, y, post_mix, res_mix = dev(case.stream(), case.y(), *case.mixes())
+    site = dev(*case.site()) if op_name == "mhc_post_pre" else ()
+    op = getattr(ops, op_name)
+    clean = op(y, stream, post_mix, res_mix, *site)
+    bad_cols = torch.zeros_like(clean if op_name == "mhc_post" else clean[0], dtype=torch.bool)
     if where == "stream":
         stream[token, streams, cols] = value
         bad_cols[token, :, cols] = True
@@ -277,7 +279,22 @@ def test_mhc_post_nonfinite_input(bad, where):
     else:
         post_mix[token], res_mix[token] = float("nan"), float("nan")
         bad_cols[token] = True
-    got = ops.mhc_post(y, stream, post_mix, res_mix)
+    return op(y, stream, post_mix, res_mix, *site), clean, bad_cols, site
+
+
+@FUZZ
+@given(bad_cases())
+def test_mhc_pre_nonfinite_input(bad):
+    _, token, cols, _, _ = bad
+    got, clean, site = run_poisoned_stream("mhc_pre", bad)
+    check_pre_nonfinite(got, clean, token, cols, fresh=site[-1] is None)
+
+
+@FUZZ
+@given(bad_cases(), st.sampled_from(["stream", "y", "mixes"]))
+def test_mhc_post_nonfinite_input(bad, where):
+    token = bad[1]
+    got, clean, bad_cols, _ = run_poisoned_post("mhc_post", bad, where)
     assert torch.equal(got[~bad_cols], clean[~bad_cols]), f"{where}: finite positions changed"
     assert not torch.isfinite(got[bad_cols]).any(), f"{where}: a non-finite input gave a finite output"
     if where == "mixes":
@@ -287,18 +304,8 @@ def test_mhc_post_nonfinite_input(bad, where):
 @FUZZ
 @given(bad_cases(), st.sampled_from(["stream", "y"]))
 def test_mhc_post_pre_nonfinite_input(bad, where):
-    case, token, cols, streams, value = bad
-    stream, y = case.stream(), case.y()
-    post_mix, res_mix = case.mixes()
-    site = case.site()
-    clean = ops.mhc_post_pre(y, stream, post_mix, res_mix, *site)
-    if where == "stream":
-        stream[token, streams, cols] = value
-    else:
-        y[token, cols] = value
-    got = ops.mhc_post_pre(y, stream, post_mix, res_mix, *site)
-    bad_cols = torch.zeros_like(clean[0], dtype=torch.bool)
-    bad_cols[token, :, cols] = True
+    _, token, cols, _, _ = bad
+    got, clean, bad_cols, site = run_poisoned_post("mhc_post_pre", bad, where)
     assert torch.equal(got[0][~bad_cols], clean[0][~bad_cols]), "new_stream: finite positions changed"
     assert not torch.isfinite(got[0][bad_cols]).any(), "new_stream: a non-finite input gave a finite output"
     # The next site's pre sees a non-finite new-stream row in those columns.
@@ -308,11 +315,7 @@ def test_mhc_post_pre_nonfinite_input(bad, where):
 @FUZZ
 @given(bad_cases())
 def test_mhc_head_nonfinite_input(bad):
-    case, token, cols, streams, value = bad
-    clean = case.stream()
-    stream = clean.clone()
-    stream[token, streams, cols] = value
-    head = case.head()
-    got = ops.mhc_head(stream, *head)
-    assert_other_tokens_identical(got, ops.mhc_head(clean, *head), token, "head")
+    token = bad[1]
+    got, clean, _ = run_poisoned_stream("mhc_head", bad)
+    assert_other_tokens_identical(got, clean, token, "head")
     assert got[token].isnan().all(), f"head[{token}] is not all NaN"
