@@ -12,6 +12,7 @@ import dataclasses
 import math
 
 import pytest
+import test_runner
 import torch
 from distributed import run_distributed
 from spkernels import reference as ref
@@ -32,20 +33,12 @@ from spkernels.runner import (
 from spkernels.runner.__main__ import main, report
 from spkernels.runner.engine import split_microbatches
 from spkernels.runner.launch import preset_config
-from test_runner import assert_matches, assert_policy_steps
+from test_runner import assert_matches, assert_policy_steps, run_configs
 from torch.overrides import TorchFunctionMode
 
 # Five prompts of lengths 1, 3, 5, 40, 2 (not tp multiples: shards with pad rows at tp = 2); the
 # tiny preset has 2 layers, so pp = 2 puts layer 1, V4.1's default Engram layer, first on stage 1.
-BASE = RunOptions(
-    device="cpu",
-    arch="v4.1",
-    prompt_lens=(1, 3, 5, 40, 2),
-    gen=5,
-    capture_sizes=(2, 4, 8),
-    verbose=False,
-    record_logits=True,
-)
+BASE = dataclasses.replace(test_runner.BASE, arch="v4.1")
 
 
 def options(**changes) -> RunOptions:
@@ -225,10 +218,6 @@ REFERENCES = {
     "moe": options(sp_threshold=None, num_experts=4),
     "v4": options(arch="v4", sp_threshold=None),
 }
-
-
-def run_configs(rank: int, world_size: int, configs: list[RunOptions]) -> list:
-    return [worker(rank, world_size, opts) for opts in configs]
 
 
 @pytest.fixture(scope="module")
