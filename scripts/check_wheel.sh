@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the spkernels wheel, install it into a fresh venv and smoke-test it from outside the source
-# tree: import, a CPU op against the reference, the wheel's version metadata, `python -m spkernels.env`.
+# tree: import, a CPU op against the reference (and the CUDA op where there is a GPU), the wheel's
+# version metadata, `python -m spkernels.env`.
 # The venv uses --system-site-packages so torch (and, on GPU servers, its NCCL wheel) comes from the
 # environment the wheel was built in, as on a GPU server.
 # Usage: bash scripts/check_wheel.sh   (PYTHON=python3, DIST=dist: where the wheel is left)
@@ -71,6 +72,12 @@ want = ref.mhc_pre(stream, fn, scale, base, norm_weight)
 for name, o, w in zip(("layer_input", "post_mix", "res_mix", "pre_mix"), out, want):
     assert torch.equal(o, w), name
 print(f"spkernels {spkernels.__version__} from {spkernels.__file__}: mhc_pre OK")
+if torch.cuda.is_available():  # GPU servers: the wheel's CUDA kernel too (smoke-level tolerances)
+    cuda = torch.ops.spkernels.mhc_pre(stream.cuda(), fn.cuda(), scale.cuda(), base.cuda(), norm_weight.cuda(), None)
+    for name, o, w in zip(("layer_input", "post_mix", "res_mix", "pre_mix"), cuda, want):
+        tol = 2**-6 if name == "layer_input" else 1e-4
+        torch.testing.assert_close(o.cpu().float(), w.float(), rtol=tol, atol=tol, msg=name)
+    print(f"mhc_pre on {torch.cuda.get_device_name()} OK")
 EOF
 "$VPY" -m spkernels.env
 # The wheel refuses a torch of another minor release before loading its library.

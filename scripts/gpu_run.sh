@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device-machine session: build, GPU test suite, benchmarks. Logs and JSON land in $OUT.
 # Usage (on the GPU machine, from the repo root):
-#   bash scripts/gpu_run.sh [all | comma list of test,runner,pp,bench,load,sanitize] [pytest args...]
-# Parts run in the order test, bench, runner, load, sanitize, pp. DEADLINE=<seconds> skips a part once less than its budget is left.
+#   bash scripts/gpu_run.sh [all | comma list of test,runner,pp,bench,load,sanitize,wheel] [pytest args...]
+# Parts run in the order test, bench, runner, load, sanitize, wheel, pp. DEADLINE=<seconds> skips a part once less than its budget is left.
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/spk_out}; mkdir -p "$OUT"
@@ -10,7 +10,8 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 export MAX_JOBS=${MAX_JOBS:-16}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$OUT/machine.txt" 2>&1
 # At most 8 files come back from $OUT: machine.txt, pytest_gpu.log, the bench's json/png/txt,
-# runner.log (runner + pp + load console), load.json, sanitize_summary.txt (build.log on failure).
+# runner.log (runner, load console, wheel check, pp), load.json, sanitize_summary.txt (build.log
+# on failure).
 start=$(date +%s)
 if ! python3 -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
   tail -60 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
@@ -56,6 +57,10 @@ if want sanitize && fits 90 sanitize; then
   SAN_TIMEOUT=${SAN_TIMEOUT:-120} bash scripts/sanitize.sh ${SAN_TOOLS:-memcheck} | tail -8
   grep -q "^sanitize: CLEAN" "$OUT/sanitize_summary.txt" || tail -80 "$OUT/sanitize.log" >> "$OUT/sanitize_summary.txt"
   rm -f "$OUT/sanitize.log"
+fi
+if want wheel && fits 150 wheel; then
+  # Issue 8: the wheel installs into a fresh venv here and runs its smoke test (CPU and CUDA op).
+  { echo "=== check_wheel"; timeout $(( $(left) - 10 )) bash scripts/check_wheel.sh 2>&1 | tail -15; } | tee -a "$OUT/runner.log"
 fi
 if want pp && fits 100 pp; then
   # Issue 7 measurement: PP2 x TP1 on 2 GPUs (v4.1), without and with microbatching.

@@ -4,7 +4,8 @@ Two ranks (cuda:0, cuda:1) with SPK_BARRIER_TIMEOUT=2 create one Communicator pe
 run each op once together; then rank 1 exits abruptly (os._exit, no teardown). Rank 0 calls each
 op again on its own communicator: the kernel must give up, ``comm.check()`` must raise naming the
 barrier and rank 1 within the timeout + 10 s (printed as ``hang detection: 2.03 s``), and the
-next call must raise before launching anything.
+next call must raise before launching anything, and ``close()`` must return (it aborts the NCCL
+communicator instead of the collective teardown).
 
 The ranks are plain subprocesses rather than run_distributed: a rank that dies on purpose is a
 failure there, and with a peer gone NCCL's teardown may block, so rank 0 leaves with os._exit
@@ -17,6 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -30,6 +32,7 @@ pytestmark = pytest.mark.skipif(
 )
 TIMEOUT_S = 2.0
 DETECT_LIMIT_S = TIMEOUT_S + 10
+CLOSE_LIMIT_S = 20  # close() after a timeout aborts NCCL: it must not wait for the dead peer
 DEADLINE_S = 300  # both ranks, start to exit: imports, five NCCL communicators, four timeouts
 T, D = 32, 512
 # The barrier each op's kernel meets first (lsa_barrier.cuh's names).
@@ -86,6 +89,15 @@ def detect(name: str, call, comm) -> None:
     else:
         raise AssertionError(f"{name}: the call after a timeout did not raise")
     print(f"  next call raised after {time.monotonic() - start:.3f} s", flush=True)
+    # close() aborts instead of the collective teardown that would wait for rank 1. In a thread,
+    # so that a close() that blocks fails the test instead of eating its deadline.
+    start = time.monotonic()
+    closer = threading.Thread(target=comm.close, daemon=True)
+    closer.start()
+    closer.join(CLOSE_LIMIT_S)
+    assert not closer.is_alive(), f"{name}: close() after the timeout blocked for {CLOSE_LIMIT_S} s"
+    assert comm.closed
+    print(f"  close() returned after {time.monotonic() - start:.3f} s", flush=True)
 
 
 def rank_main(rank: int, port: int) -> None:

@@ -58,8 +58,8 @@ void check_barrier(const CommState& c) {
   SPK_CHECK(false, "spkernels: rank ", c.rank, "'s LSA barrier (", barrier_site_name(e->site), ", CTA ", e->cta,
             ") timed out after ", timeout, " s (SPK_BARRIER_TIMEOUT) waiting for rank ", e->peer,
             ": a peer died or stopped calling the same ops. Communicator ", c.handle,
-            " is unusable: recreate the process group (with a peer gone, NCCL's teardown in close() may "
-            "block; exiting the process is the sure way out)");
+            " is unusable: close() aborts it; recreate the process group (exiting the process is the sure "
+            "way out with a peer gone)");
 }
 
 std::vector<int64_t> nccl_unique_id() {
@@ -147,6 +147,15 @@ void comm_destroy(int64_t handle) {
     g_comms.erase(it);
   }
   const c10::cuda::CUDAGuard guard((c10::DeviceIndex)s->device);
+  if (__atomic_load_n(&s->barrier_error->flag, __ATOMIC_ACQUIRE) != 0) {
+    // A barrier timed out: a peer is gone, and the collective teardown below (window
+    // deregistration, finalize) would wait for it. Abort the NCCL communicator, which releases its
+    // resources locally. The window memory, the barrier state and the error record stay
+    // allocated: a kernel of ours that is still giving up may touch them, and the process is
+    // expected to exit (the error message says so).
+    SPK_NCCL_CHECK(ncclCommAbort(s->comm), nullptr);
+    return;
+  }
   // Order: no kernel may still use the window; then device comm, window, memory, communicator.
   SPK_CUDA_CHECK(cudaDeviceSynchronize());
   if (s->has_dev_comm) SPK_NCCL_CHECK(ncclDevCommDestroy(s->comm, &s->dev_comm), s->comm);

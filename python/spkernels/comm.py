@@ -56,8 +56,9 @@ class Communicator:
     default 120, 0 = forever) for a peer at each of its barriers. A peer that died or stopped
     calling the same ops makes the waiting kernel give up (its outputs are garbage) and marks the
     communicator failed: every later op on it, and ``check()``, raises a RuntimeError naming the
-    barrier and the missing rank. The communicator is then unusable; with a peer gone, NCCL's
-    teardown in ``close()`` may block, so exit the process and recreate the process group.
+    barrier and the missing rank. The communicator is then unusable: ``close()`` aborts its NCCL
+    communicator (no collective teardown with a peer gone); exit the process or recreate the
+    process group.
     """
 
     def __init__(
@@ -150,7 +151,8 @@ class Communicator:
             raise RuntimeError(f"spkernels.Communicator {self.handle} is closed")
 
     def close(self) -> None:
-        """Collective: release buffers, windows and the NCCL communicator. Idempotent."""
+        """Collective: release buffers, windows and the NCCL communicator. Idempotent. After a barrier
+        timeout (see the class docstring) it is local: the NCCL communicator is aborted."""
         if self._closed:
             return
         self._closed = True
