@@ -226,6 +226,65 @@ def test_graph_replay_back_to_back_and_close():
     run_distributed(2, _graph_and_race_worker, backend="nccl", timeout=300)
 
 
+def _gather_race_worker(rank, world_size, T, D):
+    """The pushed all-gather's protocol (lsa_gather.cuh): mhc_pre_ag and mhc_post_pre_rs_ag push
+    rows into the peers' gather regions, sp_all_gather stages into and pulls from the same regions,
+    and the zero-copy partial is rewritten right after each boundary. 90 such calls back to back
+    without a host sync, one rank lagging by a varying amount before each call (torch.cuda._sleep),
+    must each give bitwise the result of the same call run alone between host syncs (every op is
+    deterministic): a push landing before the peer's copy-in of the previous call finished, or a
+    copy-in reading before the pushes landed, changes rows."""
+    import spkernels
+
+    os.environ["SPK_FUSED"] = "1"
+    ops = torch.ops.spkernels
+    eps = (1e-6, 1e-6, 1e-6, 20, 2.0)
+    n = T // world_size
+    rows = slice(rank * n, (rank + 1) * n)
+    with spkernels.Communicator(max_tokens=T, hidden_size=D) as comm:
+        assert comm.backend == "lsa", comm.backend
+        stream, post_mix, res_mix, site, _, partials = _gen_inputs(21, T, D, rank)
+        pre_args = (site["fn"], site["scale"], site["base"], site["norm_weight"], None)
+        sh_stream, sh_post, sh_res = (
+            stream[rows].contiguous(),
+            post_mix[rows].contiguous(),
+            res_mix[rows].contiguous(),
+        )
+        buf = comm.partial_buffer(T)
+        h = comm.handle
+
+        def call(i):
+            scale = 1 + (i % 7) / 8
+            st = (sh_stream.float() * scale).to(torch.bfloat16)
+            if i % 3 == 0:
+                return ops.mhc_pre_ag(st, *pre_args, *eps, h)
+            if i % 3 == 1:
+                buf.copy_((partials[rank].float() * scale).to(torch.bfloat16))
+                return ops.mhc_post_pre_rs_ag(buf, st, sh_post, sh_res, *pre_args, *eps, h)
+            return (ops.sp_all_gather(st[:, i % 4].contiguous(), T, h),)
+
+        outs = []
+        for i in range(90):
+            if rank == i % 2:
+                torch.cuda._sleep(20_000 * (1 + i % 5))
+            outs.append(call(i))
+        for i in range(90):
+            torch.cuda.synchronize()
+            dist.barrier()
+            alone = call(i)
+            torch.cuda.synchronize()
+            for k, (got, want) in enumerate(zip(outs[i], alone, strict=True)):
+                assert torch.equal(got, want), (
+                    f"call {i} (kind {i % 3}) output {k} differs from the call run alone"
+                )
+    return True
+
+
+@pytest.mark.parametrize(("T", "D"), [(512, 1024), (4096, 4096)])
+def test_gather_protocol_back_to_back(T, D):
+    run_distributed(2, _gather_race_worker, T, D, backend="nccl", timeout=600)
+
+
 def _bad_input_worker(rank, world_size):
     import spkernels
 

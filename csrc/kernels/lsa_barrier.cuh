@@ -21,7 +21,9 @@
 
 namespace spk {
 
-enum class BarrierSite : int32_t { kEntry, kExit, kGatherEntry, kGatherExit };
+// Where a barrier sits (for the timeout message). kGatherPush and kGatherCopyIn: the pushed
+// all-gather of layer_input (mhc_tile.cuh, lsa_gather.cuh).
+enum class BarrierSite : int32_t { kEntry, kExit, kGatherEntry, kGatherExit, kGatherPush, kGatherCopyIn };
 
 inline const char* barrier_site_name(int32_t site) {
   switch ((BarrierSite)site) {
@@ -33,6 +35,10 @@ inline const char* barrier_site_name(int32_t site) {
       return "gather entry";
     case BarrierSite::kGatherExit:
       return "gather exit";
+    case BarrierSite::kGatherPush:
+      return "gather push";
+    case BarrierSite::kGatherCopyIn:
+      return "gather copy-in";
   }
   return "unknown";
 }

@@ -49,9 +49,14 @@ inline cudaError_t rows_max_ctas(int hidden, int* out) {
   return per_sm > 0 ? cudaSuccess : cudaErrorInvalidConfiguration;
 }
 
-// The whole op: pass 1, pass 2 for a pre, the all-gather of layer_input in SP mode. `a.ws` must
-// hold num_tokens * row_slices(hidden) * FnRows<kHead>::kVals floats for a pre. max_ctas <= 0:
-// the device's own limit (local ops); the fused ops pass the cap every rank agreed on.
+// The whole op: pass 1, pass 2 for a pre, and in SP mode the copy-in kernel that completes the
+// all-gather of layer_input that pass 2 pushed (protocol in lsa_gather.cuh). `a.ws` must hold
+// num_tokens * row_slices(hidden) * FnRows<kHead>::kVals floats for a pre. max_ctas <= 0: the
+// device's own limit (local ops); the fused ops pass the cap every rank agreed on.
+//
+// Launches: pass 1 plain (stream-ordered; its barriers need that), pass 2 and the copy-in kernel
+// as programmatic dependents of the kernel before them (pdl.cuh). Barriers: pass 1 uses indices
+// [0, slices * groups) <= max_ctas, pass 2 index 0, the copy-in kernel [0, grid) <= max_ctas.
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kGather>
 inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   const int T = a.num_tokens, D = a.hidden;
@@ -62,6 +67,7 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   a.slices = row_slices(D);
   a.groups = max_ctas / a.slices < 1 ? 1 : max_ctas / a.slices < num_tiles ? max_ctas / a.slices : num_tiles;
   a.exit_barrier = kSrc == YSrc::kPeers && kPre && !kGather;
+  a.push_barrier = kGather && kSrc != YSrc::kPeers;  // kPeers: pass 1's entry barrier does it
   const void* rows = (const void*)mhc_rows_kernel<kSrc, kPost, kPre, kHead>;
   const size_t smem = rows_smem_bytes<kSrc, kPost, kPre, kHead>(D);
   if ((e = cudaFuncSetAttribute(rows, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) != cudaSuccess) return e;
@@ -76,13 +82,12 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   if ((e = cudaFuncSetAttribute(collapse, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)collapse_smem)) !=
       cudaSuccess)
     return e;
-  mhc_collapse_kernel<kHead, kGather><<<collapse_ctas, kThreads, collapse_smem, stream>>>(a);
-  if ((e = cudaGetLastError()) != cudaSuccess || !kGather) return e;
-  const size_t bytes = (size_t)T * D * 2;
-  lsa_all_gather_kernel<<<lsa_all_gather_grid(bytes, max_ctas), kGatherThreads, 0, stream>>>(
-      a.lsa.window, a.lsa.gather_offset, bytes, a.lsa.rank, a.lsa.world, a.lsa.barrier,
-      reinterpret_cast<char*>(a.layer_input));
-  return cudaGetLastError();
+  e = launch_dependent(mhc_collapse_kernel<kHead, kGather>, collapse_ctas, kThreads, collapse_smem, stream, a);
+  if (e != cudaSuccess || !kGather) return e;
+  const size_t bytes = (size_t)T * D * 2;  // one rank's block: T_local rows
+  return launch_dependent(lsa_copy_in_kernel, lsa_all_gather_grid(bytes, max_ctas), kGatherThreads, 0, stream,
+                          a.lsa.window, a.lsa.gather_offset, bytes, a.lsa.rank, a.lsa.world, a.lsa.barrier,
+                          reinterpret_cast<char*>(a.layer_input));
 }
 
 }  // namespace spk

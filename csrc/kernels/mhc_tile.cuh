@@ -11,8 +11,10 @@
 //       (and NVLink) speed.
 // 2. mhc_collapse_kernel (pres only). A CTA takes 8 rows: sums each row's S partials in slice
 //    order, computes the coefficients (sigmoids, Sinkhorn; one quad of lanes per row), then one
-//    warp per row collapses the stream (+ fused RMSNorm), writes layer_input and, in SP mode,
-//    this rank's block of the symmetric gather region (the all-gather kernel pulls it).
+//    warp per row collapses the stream (+ fused RMSNorm) and writes layer_input; in SP mode it
+//    also stores each row straight into every peer's gather region (NVLink pushes overlapping the
+//    pass's HBM work), and lsa_copy_in_kernel moves the peers' rows into layer_input (protocol in
+//    lsa_gather.cuh). Pass 2 is a programmatic dependent launch of pass 1 (pdl.cuh).
 // Every summation has a fixed order: replicated ranks compute bitwise-identical results, and a
 // row's result does not depend on T (SP rows equal TP rows).
 #include <nccl.h>
@@ -20,6 +22,7 @@
 
 #include "kernels/lsa_barrier.cuh"
 #include "kernels/mhc_math.cuh"
+#include "kernels/pdl.cuh"
 
 namespace spk {
 
@@ -56,6 +59,7 @@ struct TileArgs {
   int slices;                  // S: column slices of D, a function of D only
   int groups;                  // G: CTAs per slice in pass 1
   bool exit_barrier;           // pass 2: CTA 0 syncs with the peers' CTA 0 (peers done reading partials)
+  bool push_barrier;           // pass 1 without an entry barrier: CTA 0 syncs before pass 2 pushes (SP)
   LsaArgs lsa;
 };
 
@@ -291,10 +295,16 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
   }
 }
 
-// Pass 1. Posts without a pre synchronise with the peers at entry (partials written) and exit
-// (nobody reads this rank's partial any more); with a pre the exit is pass 2's or the gather's.
+// Pass 1, a plain (stream-ordered) launch: its barriers rely on that (F2 in lsa_gather.cuh). Posts
+// without a pre synchronise with the peers at entry (partials written) and exit (nobody reads this
+// rank's partial any more); with a pre the exit is pass 2's or the copy-in's. In SP mode without a
+// post (mhc_pre_ag), CTA 0 syncs once so that pass 2 may push into the peers' gather regions
+// ((B) in lsa_gather.cuh).
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead>
 __global__ void __launch_bounds__(kThreads, 2) mhc_rows_kernel(const __grid_constant__ TileArgs a) {
+  // With a pre, the next kernel is our pass 2, which waits for this grid's completion before it
+  // touches memory (pdl.cuh): letting it launch now only hides its launch latency.
+  if constexpr (kPre) pdl_launch_dependents();
   const int num_tiles = (a.num_tokens + kTileTokens - 1) / kTileTokens;
   const bool staged = kPre && num_tiles > a.groups;  // several tiles per CTA: fn fragments from smem
   if constexpr (kPre) {
@@ -311,12 +321,20 @@ __global__ void __launch_bounds__(kThreads, 2) mhc_rows_kernel(const __grid_cons
     mhc_rows<kSrc, kPost, kPre, kHead>(a, staged);
     if constexpr (!kPre) bar.sync(BarrierSite::kExit);
   } else {
+    if constexpr (kSrc == YSrc::kNone && kPre) {
+      if (a.push_barrier && blockIdx.x == 0) {  // CTA-uniform
+        // The peers' pass 1 has started, so their previous copy-in kernels have completed.
+        LsaBarrier bar(a.lsa.window, a.lsa.rank, a.lsa.world, a.lsa.barrier, 0);
+        bar.sync(BarrierSite::kGatherPush);
+      }
+    }
     mhc_rows<kSrc, kPost, kPre, kHead>(a, staged);
   }
 }
 
 // Pass 2: coefficients and collapse of rows [8 * blockIdx.x, +8). Dynamic shared memory: the
 // rows' bf16 collapse between the two halves of the fused RMSNorm (8 * D * 2 bytes), else none.
+// A programmatic dependent launch of pass 1 (pdl.cuh's rule: pdl_wait() comes first).
 template <bool kHead, bool kGather>
 __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_constant__ TileArgs a) {
   constexpr int kRows = FnRows<kHead>::kRows;
@@ -325,8 +343,15 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
   __shared__ float s_m[kCollapseRows][kVals];
   __shared__ float s_coef[kCollapseRows][kMix];  // pre | post | res, or the head weights
   __shared__ float s_scale[3], s_base[kMix];
+  // Pass 1 complete and its writes (ws, new_stream, barrier epochs) visible; in SP mode also: the
+  // peers' previous copy-in kernels have completed, so the pushes below are safe ((B) in
+  // lsa_gather.cuh).
+  pdl_wait();
+  // In SP mode the next kernel is our copy-in kernel, which waits for this grid's completion.
+  if constexpr (kGather) pdl_launch_dependents();
   if (a.exit_barrier && blockIdx.x == 0) {
     // TP boundary: every peer has finished pass 1, so nobody reads this rank's partial any more.
+    // After pdl_wait(): the peer's pass 2 arriving here implies its pass 1 completed (pdl.cuh).
     LsaBarrier bar(a.lsa.window, a.lsa.rank, a.lsa.world, a.lsa.barrier, 0);
     bar.sync(BarrierSite::kExit);
   }
@@ -372,14 +397,27 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
   const __nv_bfloat16* src = (a.new_stream != nullptr ? a.new_stream : a.stream) + (size_t)row * kHC * D;
   const size_t orow = kGather ? (size_t)a.lsa.rank * T + row : (size_t)row;
   __nv_bfloat16* out = a.layer_input + orow * D;
-  // SP: this rank's block of the gather region, at the rows the all-gather kernel pulls.
-  __nv_bfloat16* staged_out = nullptr;
-  if constexpr (kGather)
-    staged_out =
-        static_cast<__nv_bfloat16*>(ncclGetLsaPointer(a.lsa.window, a.lsa.gather_offset, a.lsa.rank)) + orow * D;
+  // SP: the same row of every peer's gather region (its layer_input layout), where the peer's
+  // copy-in kernel finds it. Plain (weak) remote stores: the copy-in barrier publishes them after
+  // this kernel completes ((A) in lsa_gather.cuh). Unrolled over kMaxPeers, so the pointers stay
+  // in registers.
+  __nv_bfloat16* peer_out[kMaxPeers - 1];
+  if constexpr (kGather) {
+    const size_t off = a.lsa.gather_offset + orow * D * sizeof(__nv_bfloat16);
+#pragma unroll
+    for (int k = 0; k < kMaxPeers - 1; ++k)
+      peer_out[k] =
+          k < a.lsa.world - 1
+              ? static_cast<__nv_bfloat16*>(ncclGetLsaPointer(a.lsa.window, off, k + (k >= a.lsa.rank ? 1 : 0)))
+              : nullptr;
+  }
   auto store = [&](int v, const uint4& o) {
     reinterpret_cast<uint4*>(out)[v] = o;
-    if constexpr (kGather) reinterpret_cast<uint4*>(staged_out)[v] = o;
+    if constexpr (kGather) {
+#pragma unroll
+      for (int k = 0; k < kMaxPeers - 1; ++k)
+        if (k < a.lsa.world - 1) reinterpret_cast<uint4*>(peer_out[k])[v] = o;
+    }
   };
   const bool norm = !kHead && a.norm_weight != nullptr;
   float ss = 0.f;
