@@ -51,9 +51,10 @@ for tool in "${tools[@]}"; do
     rc=$?
     cat "$OUT/.san_run.log" >> "$log"
     secs=$(( $(date +%s) - start ))
-    # One "ERROR SUMMARY: N error(s)" per process the sanitizer followed.
-    procs=$(grep -c "ERROR SUMMARY:" "$OUT/.san_run.log")
-    errors=$(grep -o "ERROR SUMMARY: [0-9]*" "$OUT/.san_run.log" | awk '{s += $3} END {print s + 0}')
+    # One summary per process the sanitizer followed: "ERROR SUMMARY: N errors", or for racecheck
+    # "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)"; every hazard counts.
+    procs=$(grep -cE "(ERROR|RACECHECK) SUMMARY:" "$OUT/.san_run.log")
+    errors=$(grep -oE "(ERROR|RACECHECK) SUMMARY: [0-9]+" "$OUT/.san_run.log" | awk '{s += $3} END {print s + 0}')
     done_=$(grep -q "SANITIZE_OPS DONE" "$OUT/.san_run.log" && echo "driver done" || echo "DRIVER DID NOT FINISH")
     [[ $rc -eq 124 || $rc -eq 137 ]] && done_="TIMED OUT after ${timeout_s} s"
     line="$tool $mode: ERROR SUMMARY: $errors errors (processes $procs, rc $rc, $secs s, $done_)"
