@@ -56,7 +56,7 @@ inline cudaError_t rows_max_ctas(int hidden, int* out) {
 //
 // Launches: pass 1 plain (stream-ordered; its barriers need that), pass 2 and the copy-in kernel
 // as programmatic dependents of the kernel before them (pdl.cuh). Barriers: pass 1 uses indices
-// [0, slices * groups) <= max_ctas, pass 2 index 0, the copy-in kernel [0, grid) <= max_ctas.
+// [0, slices * groups * parts) <= max_ctas, pass 2 index 0, the copy-in kernel [0, grid) <= max_ctas.
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kGather>
 inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   const int T = a.num_tokens, D = a.hidden;
@@ -66,6 +66,9 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   const int num_tiles = (T + kTileTokens - 1) / kTileTokens;
   a.slices = row_slices(D);
   a.groups = max_ctas / a.slices < 1 ? 1 : max_ctas / a.slices < num_tiles ? max_ctas / a.slices : num_tiles;
+  // Decode sizes: one CTA per 8 fn rows when every (tile, slice, part) fits at once.
+  constexpr int kParts = FnRows<kHead>::kRows / 8;
+  a.parts = kPre && kParts > 1 && (long)num_tiles * a.slices * kParts <= max_ctas ? kParts : 1;
   a.exit_barrier = kSrc == YSrc::kPeers && kPre && !kGather;
   a.push_barrier = kGather && kSrc != YSrc::kPeers;  // kPeers: pass 1's entry barrier does it
   const void* rows = (const void*)mhc_rows_kernel<kSrc, kPost, kPre, kHead>;
@@ -74,9 +77,9 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   const int collapse_ctas = (T + kCollapseRows - 1) / kCollapseRows;
   const size_t collapse_smem = kPre && !kHead && a.norm_weight != nullptr ? (size_t)kCollapseRows * D * 2 : 0;
   if (debug_enabled())
-    std::fprintf(stderr, "spkernels: rows kernel T=%d D=%d slices=%d groups=%d smem=%zu; collapse %d CTAs smem=%zu\n",
-                 T, D, a.slices, a.groups, smem, kPre ? collapse_ctas : 0, collapse_smem);
-  mhc_rows_kernel<kSrc, kPost, kPre, kHead><<<a.slices * a.groups, kThreads, smem, stream>>>(a);
+    std::fprintf(stderr, "spkernels: rows kernel T=%d D=%d slices=%d groups=%d parts=%d smem=%zu; collapse %d CTAs smem=%zu\n",
+                 T, D, a.slices, a.groups, a.parts, smem, kPre ? collapse_ctas : 0, collapse_smem);
+  mhc_rows_kernel<kSrc, kPost, kPre, kHead><<<a.slices * a.groups * a.parts, kThreads, smem, stream>>>(a);
   if ((e = cudaGetLastError()) != cudaSuccess || !kPre) return e;
   const void* collapse = (const void*)mhc_collapse_kernel<kHead, kGather>;
   if ((e = cudaFuncSetAttribute(collapse, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)collapse_smem)) !=

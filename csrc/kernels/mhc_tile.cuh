@@ -8,7 +8,9 @@
 //    B. for a pre: m = fn · x on bf16 tensor cores, fn split into bf16 hi + lo (fp32-grade
 //       accuracy), and the sum of x^2, summed warp -> CTA in a fixed order and written to a
 //       workspace ws[T][S][rows + 1]. No CTA ever waits for another: the pass streams at HBM
-//       (and NVLink) speed.
+//       (and NVLink) speed. At decode sizes (tiles x slices x 3 fit in one wave) CTA (g, s, p)
+//       computes only fn rows 8p..8p+7 (a = 3 parts): three times the CTAs, each loading a third
+//       of fn, with every sum bitwise unchanged (each row's mma chain is the same).
 // 2. mhc_collapse_kernel (pres only). A CTA takes 8 rows: sums each row's S partials in slice
 //    order, computes the coefficients (sigmoids, Sinkhorn; one quad of lanes per row), then one
 //    warp per row collapses the stream (+ fused RMSNorm) and writes layer_input; in SP mode it
@@ -58,6 +60,7 @@ struct TileArgs {
   float* ws;                   // [num_tokens, slices, rows + 1]: pass 1 -> pass 2 (pres)
   int slices;                  // S: column slices of D, a function of D only
   int groups;                  // G: CTAs per slice in pass 1
+  int parts;                   // pass 1 CTAs per (tile, slice): 1, or one per 8 fn rows at decode sizes
   bool exit_barrier;           // pass 2: CTA 0 syncs with the peers' CTA 0 (peers done reading partials)
   bool push_barrier;           // pass 1 without an entry barrier: CTA 0 syncs before pass 2 pushes (SP)
   LsaArgs lsa;
@@ -73,6 +76,7 @@ struct FnRows {
 
 constexpr int kSliceVecs = 32;         // 16-byte vectors per stream in a slice: one group of 4 per warp
 constexpr int kCollapseRows = kWarps;  // pass 2: one warp per row
+constexpr int kWsBatch = 16;           // pass 2: workspace partials loaded at once per value
 
 __host__ __device__ inline int row_slices(int hidden) { return (hidden / 8 + kSliceVecs - 1) / kSliceVecs; }
 
@@ -130,7 +134,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
   __shared__ float s_redsq[kWarps][kTileTokens];           // per-warp partial sums of squares
   __shared__ float s_mixin[kTileTokens][kMix - kHC];       // incoming post | res of the tile
 
-  const int S = a.slices, slice = blockIdx.x % S;
+  const int parts = a.parts, part = blockIdx.x % parts, cta = blockIdx.x / parts;
+  const int S = a.slices, slice = cta % S;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int D = a.hidden, nvec = D >> 3, T = a.num_tokens;
   const int v0 = slice * nvec / S, W = (slice + 1) * nvec / S - v0;
@@ -140,7 +145,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
   const int vec = warp * 4 + t;  // this thread's vector of the slice (per stream)
   const size_t col = (size_t)(v0 + vec) * 8;
 
-  for (int tile = blockIdx.x / S; tile < num_tiles; tile += a.groups) {
+  for (int tile = cta / S; tile < num_tiles; tile += a.groups) {
     const int row_base = tile * kTileTokens;
     // ---- A: issue every stream load of the tile first; x[h][i] = token g + 8h, stream i.
     uint4 x[2][kHC];
@@ -152,6 +157,15 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
       for (int i = 0; i < kHC; ++i)
         x[h][i] = valid ? *reinterpret_cast<const uint4*>(a.stream + row * srow + (size_t)i * D + col)
                         : make_uint4(0, 0, 0, 0);
+    }
+    // The CTA's next tile into L2 while this one computes: one bulk prefetch per (token, stream)
+    // slice row (and y's), so the next loads wait on L2, not HBM.
+    if (const int next = row_base + a.groups * kTileTokens; next < T && tid < kTileTokens * (kHC + 1)) {
+      const int row = next + tid / (kHC + 1), i = tid % (kHC + 1);
+      if (row < T && i < kHC)
+        prefetch_l2(a.stream + row * srow + (size_t)i * D + (size_t)v0 * 8, W * 16);
+      else if (row < T && kSrc == YSrc::kLocal)
+        prefetch_l2(a.y + (size_t)row * D + (size_t)v0 * 8, W * 16);
     }
     __syncthreads();  // the previous tile's readers of s_mixin / s_red are done
     if constexpr (kPost) {
@@ -210,7 +224,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
             nv[e] = mix[j] * yv[e] + acc;
           }
           x[h][j] = float_to_bf16x8(nv);
-          if (valid) *reinterpret_cast<uint4*>(a.new_stream + row * srow + (size_t)j * D + col) = x[h][j];
+          if (valid && part == 0) *reinterpret_cast<uint4*>(a.new_stream + row * srow + (size_t)j * D + col) = x[h][j];
         }
       }
     }
@@ -230,7 +244,26 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
       float acc[kNT][4];
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-      if (warp < gmax) {  // warp-uniform
+      if (warp < gmax && parts > 1) {  // warp-uniform; decode: this CTA's 8 fn rows (n-tile `part`)
+        uint4 q[kHC][2];  // every fragment in flight at once
+#pragma unroll
+        for (int i = 0; i < kHC; ++i)
+#pragma unroll
+          for (int s = 0; s < 2; ++s) q[i][s] = fn_fragment<kHead>(a, i, part * 8 + g, vec, s, v0, W);
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+          if (nt != part) continue;  // acc[nt] stays a register; the same mma order as below
+#pragma unroll
+          for (int i = 0; i < kHC; ++i)
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+              const uint32_t a0 = word_of(x[0][i], 2 * s), a1 = word_of(x[1][i], 2 * s);
+              const uint32_t a2 = word_of(x[0][i], 2 * s + 1), a3 = word_of(x[1][i], 2 * s + 1);
+              mma_bf16_16816(acc[nt], a0, a1, a2, a3, q[i][s].x, q[i][s].y);  // hi
+              mma_bf16_16816(acc[nt], a0, a1, a2, a3, q[i][s].z, q[i][s].w);  // lo
+            }
+        }
+      } else if (warp < gmax) {  // warp-uniform
 #pragma unroll
         for (int i = 0; i < kHC; ++i) {
           uint4 q[2][kNT];
@@ -280,7 +313,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
       __syncthreads();
       for (int idx = tid; idx < kTileTokens * kVals; idx += kThreads) {
         const int tok = idx / kVals, n = idx % kVals, row = row_base + tok;
-        if (row >= T) continue;
+        if (row >= T || (parts > 1 && (n < kRows ? n / 8 : 0) != part)) continue;  // this part's values
         float v = 0.f;
         if (n < kRows) {
 #pragma unroll
@@ -309,7 +342,7 @@ __global__ void __launch_bounds__(kThreads, 2) mhc_rows_kernel(const __grid_cons
   const bool staged = kPre && num_tiles > a.groups;  // several tiles per CTA: fn fragments from smem
   if constexpr (kPre) {
     if (staged) {
-      const int S = a.slices, slice = blockIdx.x % S, nvec = a.hidden >> 3;
+      const int S = a.slices, slice = blockIdx.x / a.parts % S, nvec = a.hidden >> 3;
       const int v0 = slice * nvec / S;
       stage_fn_slice<kHead>(a, v0, (slice + 1) * nvec / S - v0, slice_groups(a.hidden, S));
     }
@@ -346,6 +379,17 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
   // Pass 1 complete and its writes (ws, new_stream, barrier epochs) visible; in SP mode also: the
   // peers' previous copy-in kernels have completed, so the pushes below are safe ((B) in
   // lsa_gather.cuh).
+  {
+    // This CTA's stream rows into L2 while pass 1 finishes (a prefetch reads nothing stale: the
+    // L2 is where pass 1's writes land). 1 KiB per lane.
+    const int row = blockIdx.x * kCollapseRows + (threadIdx.x >> 5);
+    if (row < a.num_tokens) {
+      const char* src = reinterpret_cast<const char*>((a.new_stream != nullptr ? a.new_stream : a.stream) +
+                                                      (size_t)row * kHC * a.hidden);
+      const uint32_t bytes = kHC * a.hidden * 2, chunk = (bytes / 32 + 15) / 16 * 16, lane = threadIdx.x & 31;
+      if (lane * chunk < bytes) prefetch_l2(src + lane * chunk, min(chunk, bytes - lane * chunk));
+    }
+  }
   pdl_wait();
   // In SP mode the next kernel is our copy-in kernel, which waits for this grid's completion.
   if constexpr (kGather) pdl_launch_dependents();
@@ -364,8 +408,17 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
     const int r = idx / kVals, n = idx % kVals, row = row0 + r;
     float v = 0.f;
     if (row < T) {
+      // kWsBatch loads in flight, then the adds in slice order (a rolled loop would wait out one
+      // L2 round trip per slice: most of a decode step's pass 2).
       const float* p = a.ws + (size_t)row * S * kVals + n;
-      for (int s = 0; s < S; ++s) v += p[s * kVals];
+      for (int s0 = 0; s0 < S; s0 += kWsBatch) {
+        float part[kWsBatch];
+#pragma unroll
+        for (int k = 0; k < kWsBatch; ++k) part[k] = s0 + k < S ? p[(s0 + k) * kVals] : 0.f;
+#pragma unroll
+        for (int k = 0; k < kWsBatch; ++k)
+          if (s0 + k < S) v += part[k];
+      }
     }
     s_m[r][n] = v;
   }
