@@ -77,7 +77,8 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   const int collapse_ctas = (T + kCollapseRows - 1) / kCollapseRows;
   const size_t collapse_smem = kPre && !kHead && a.norm_weight != nullptr ? (size_t)kCollapseRows * D * 2 : 0;
   if (debug_enabled())
-    std::fprintf(stderr, "spkernels: rows kernel T=%d D=%d slices=%d groups=%d parts=%d smem=%zu; collapse %d CTAs smem=%zu\n",
+    std::fprintf(stderr,
+                 "spkernels: rows kernel T=%d D=%d slices=%d groups=%d parts=%d smem=%zu; collapse %d CTAs smem=%zu\n",
                  T, D, a.slices, a.groups, a.parts, smem, kPre ? collapse_ctas : 0, collapse_smem);
   mhc_rows_kernel<kSrc, kPost, kPre, kHead><<<a.slices * a.groups * a.parts, kThreads, smem, stream>>>(a);
   if ((e = cudaGetLastError()) != cudaSuccess || !kPre) return e;
