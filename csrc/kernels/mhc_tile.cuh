@@ -77,6 +77,7 @@ struct FnRows {
 constexpr int kSliceVecs = 32;         // 16-byte vectors per stream in a slice: one group of 4 per warp
 constexpr int kCollapseRows = kWarps;  // pass 2: one warp per row
 constexpr int kWsBatch = 16;           // pass 2: workspace partials loaded at once per value
+constexpr int kCollapseBatch = 4;      // pass 2: 16-byte vectors per lane and stream loaded at once
 
 __host__ __device__ inline int row_slices(int hidden) { return (hidden / 8 + kSliceVecs - 1) / kSliceVecs; }
 
@@ -159,8 +160,11 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
                         : make_uint4(0, 0, 0, 0);
     }
     // The CTA's next tile into L2 while this one computes: one bulk prefetch per (token, stream)
-    // slice row (and y's), so the next loads wait on L2, not HBM.
-    if (const int next = row_base + a.groups * kTileTokens; next < T && tid < kTileTokens * (kHC + 1)) {
+    // slice row (and y's), so the next loads wait on L2, not HBM. Only where a tile's mma work
+    // leaves the prefetch time to land (ncu at T = 8192, D = 4096: post_pre pass 1 288 -> 262 us,
+    // pre 144 -> 139; the head's pass 1 is too short per tile and got slower, 86 -> 100).
+    if (const int next = row_base + a.groups * kTileTokens;
+        kPre && !kHead && next < T && tid < kTileTokens * (kHC + 1)) {
       const int row = next + tid / (kHC + 1), i = tid % (kHC + 1);
       if (row < T && i < kHC)
         prefetch_l2(a.stream + row * srow + (size_t)i * D + (size_t)v0 * 8, W * 16);
@@ -379,17 +383,6 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
   // Pass 1 complete and its writes (ws, new_stream, barrier epochs) visible; in SP mode also: the
   // peers' previous copy-in kernels have completed, so the pushes below are safe ((B) in
   // lsa_gather.cuh).
-  {
-    // This CTA's stream rows into L2 while pass 1 finishes (a prefetch reads nothing stale: the
-    // L2 is where pass 1's writes land). 1 KiB per lane.
-    const int row = blockIdx.x * kCollapseRows + (threadIdx.x >> 5);
-    if (row < a.num_tokens) {
-      const char* src = reinterpret_cast<const char*>((a.new_stream != nullptr ? a.new_stream : a.stream) +
-                                                      (size_t)row * kHC * a.hidden);
-      const uint32_t bytes = kHC * a.hidden * 2, chunk = (bytes / 32 + 15) / 16 * 16, lane = threadIdx.x & 31;
-      if (lane * chunk < bytes) prefetch_l2(src + lane * chunk, min(chunk, bytes - lane * chunk));
-    }
-  }
   pdl_wait();
   // In SP mode the next kernel is our copy-in kernel, which waits for this grid's completion.
   if constexpr (kGather) pdl_launch_dependents();
@@ -474,27 +467,37 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
   };
   const bool norm = !kHead && a.norm_weight != nullptr;
   float ss = 0.f;
-#pragma unroll 4
-  for (int v = lane; v < nvec; v += 32) {
-    uint4 xv[kHC];
+  // kCollapseBatch vectors of every stream loaded before any store: the compiler cannot move a
+  // load above a store that may alias it, so a plain loop waits out one memory round trip per
+  // 32 vectors (most of a decode step's pass 2).
+  for (int v0 = lane; v0 < nvec; v0 += 32 * kCollapseBatch) {
+    uint4 xv[kCollapseBatch][kHC];
 #pragma unroll
-    for (int i = 0; i < kHC; ++i) xv[i] = reinterpret_cast<const uint4*>(src + (size_t)i * D)[v];
-    float y[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int u = 0; u < kCollapseBatch; ++u)
 #pragma unroll
-    for (int i = 0; i < kHC; ++i) {
-      float f[8];
-      bf16x8_to_float(xv[i], f);
+      for (int i = 0; i < kHC; ++i)
+        if (v0 + 32 * u < nvec) xv[u][i] = reinterpret_cast<const uint4*>(src + (size_t)i * D)[v0 + 32 * u];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) y[e] += w[i] * f[e];
-    }
-    const uint4 yb = float_to_bf16x8(y);
-    if (norm) {
-      bf16x8_to_float(yb, y);
+    for (int u = 0; u < kCollapseBatch; ++u) {
+      const int v = v0 + 32 * u;
+      if (v >= nvec) break;
+      float y[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int e = 0; e < 8; ++e) ss += y[e] * y[e];
-      s_y[warp * nvec + v] = yb;
-    } else {
-      store(v, yb);
+      for (int i = 0; i < kHC; ++i) {
+        float f[8];
+        bf16x8_to_float(xv[u][i], f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) y[e] += w[i] * f[e];
+      }
+      const uint4 yb = float_to_bf16x8(y);
+      if (norm) {
+        bf16x8_to_float(yb, y);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss += y[e] * y[e];
+        s_y[warp * nvec + v] = yb;
+      } else {
+        store(v, yb);
+      }
     }
   }
   if constexpr (!kHead) {  // the head has no norm
@@ -502,14 +505,22 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);  // same bits in every lane
     const float rn = 1.0f / sqrtf(ss / (float)D + a.eps.norm_eps);
-#pragma unroll 4
-    for (int v = lane; v < nvec; v += 32) {
-      float y[8], nw[8];
-      bf16x8_to_float(s_y[warp * nvec + v], y);
-      bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(a.norm_weight) + v), nw);
+    for (int v0 = lane; v0 < nvec; v0 += 32 * kCollapseBatch) {
+      uint4 nwv[kCollapseBatch];  // the same: every load of the batch before its stores
 #pragma unroll
-      for (int e = 0; e < 8; ++e) y[e] = y[e] * rn * nw[e];
-      store(v, float_to_bf16x8(y));
+      for (int u = 0; u < kCollapseBatch; ++u)
+        if (v0 + 32 * u < nvec) nwv[u] = __ldg(reinterpret_cast<const uint4*>(a.norm_weight) + v0 + 32 * u);
+#pragma unroll
+      for (int u = 0; u < kCollapseBatch; ++u) {
+        const int v = v0 + 32 * u;
+        if (v >= nvec) break;
+        float y[8], nw[8];
+        bf16x8_to_float(s_y[warp * nvec + v], y);
+        bf16x8_to_float(nwv[u], nw);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) y[e] = y[e] * rn * nw[e];
+        store(v, float_to_bf16x8(y));
+      }
     }
   }
 }
