@@ -2,8 +2,8 @@
 # Build the spkernels wheel, install it into a fresh venv and smoke-test it from outside the source
 # tree: import, a CPU op against the reference (and the CUDA op where there is a GPU), the wheel's
 # version metadata, `python -m spkernels.env`.
-# The venv uses --system-site-packages so torch (and, on GPU servers, its NCCL wheel) comes from the
-# environment the wheel was built in, as on a GPU server.
+# The venv uses --system-site-packages (or, where torch sits in the user site, that directory) so
+# torch (and, on GPU servers, its NCCL wheel) comes from the environment the wheel was built in.
 # Usage: bash scripts/check_wheel.sh   (PYTHON=python3, DIST=dist: where the wheel is left)
 set -euo pipefail
 
@@ -35,6 +35,14 @@ EOF
 echo "== fresh venv"
 "$PYTHON" -m venv --system-site-packages "$WORK/venv"
 VPY="$WORK/venv/bin/python"
+# A venv sees the system site but never the user site (~/.local), where some GPU images keep torch
+# (the device machine's does): then put torch's own site directory on the venv's path. A path in
+# a .pth file does not run that directory's .pth files, so an editable spkernels there stays out.
+if ! "$VPY" -c "import torch" 2>/dev/null; then
+  torch_site="$("$PYTHON" -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")"
+  echo "$torch_site" > "$("$VPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/torch_site.pth"
+  echo "torch from $torch_site"
+fi
 # --no-index: nothing is downloaded; the wheel's dependency (torch) must already be satisfied.
 # --force-reinstall: a development (editable) install of the same version in the system site must
 # not make pip skip the wheel.
