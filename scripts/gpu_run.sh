@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device-machine session: build, GPU test suite, benchmarks. Logs and JSON land in $OUT.
 # Usage (on the GPU machine, from the repo root):
-#   bash scripts/gpu_run.sh [all | comma list of test,runner,pp,bench,load,sanitize,wheel] [pytest args...]
-# Parts run in the order test, bench, runner, load, sanitize, wheel, pp. DEADLINE=<seconds> skips a part once less than its budget is left.
+#   bash scripts/gpu_run.sh [all | comma list of test,runner,pp,bench,load,sanitize,wheel,profile] [pytest args...]
+# Parts run in the order test, bench, runner, load, sanitize, wheel, profile, pp ("all": every part
+# but profile). DEADLINE=<seconds> skips a part once less than its budget is left.
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/spk_out}; mkdir -p "$OUT"
@@ -11,7 +12,7 @@ export MAX_JOBS=${MAX_JOBS:-16}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$OUT/machine.txt" 2>&1
 # At most 8 files come back from $OUT: machine.txt, pytest_gpu.log, the bench's json/png/txt,
 # runner.log (runner, load console, wheel check, pp), load.json, sanitize_summary.txt (build.log
-# on failure).
+# on failure); ncu_profile.txt (profile) in place of one of them.
 start=$(date +%s)
 if ! python3 -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
   tail -60 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
@@ -26,7 +27,7 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl runtime', L.
 print('ops:', sorted(n.split('::')[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith('spkernels::')))
 " 2>&1 | tee -a "$OUT/machine.txt"
 rc=0
-want() { [[ $what == all || ,$what, == *,$1,* ]]; }  # what: all, or a comma list
+want() { [[ ($what == all && $1 != profile) || ,$what, == *,$1,* ]]; }  # what: all, or a comma list
 if want test && fits 120 test; then
   targets=("$@"); [[ ${#targets[@]} -eq 0 ]] && targets=(-m gpu tests)  # the GPU suite; CI runs the rest
   # A broken barrier shows as a timeout error, not a suite-long hang.
@@ -61,6 +62,23 @@ fi
 if want wheel && fits 150 wheel; then
   # Issue 8: the wheel installs into a fresh venv here and runs its smoke test (CPU and CUDA op).
   { echo "=== check_wheel"; timeout $(( $(left) - 10 )) bash scripts/check_wheel.sh 2>&1 | tail -15; } | tee -a "$OUT/runner.log"
+fi
+if want profile && fits 90 profile; then
+  # ncu (clocks left alone) on the pre's two kernels where they fall short: pass 1 at T = 8192 and
+  # pass 2 at decode (T = 8); details incl. warp stalls and the top stall lines, then every
+  # spkernels kernel's duration at T = 8, 64, 8192 (caches flushed between kernels, as ncu does).
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  for spec in "8192 mhc_rows_kernel" "8 mhc_collapse_kernel"; do
+    read -r T kernel <<< "$spec"
+    echo "===== ncu --set full: $kernel at T = $T" >> "$OUT/ncu_profile.txt"
+    timeout 120 "$ncu" --clock-control none --set full --import-source yes -k "regex:$kernel" --launch-skip 1 \
+      --launch-count 1 --page details python3 scripts/profile_tile.py --T "$T" --ops pre >> "$OUT/ncu_profile.txt" 2>&1
+  done
+  echo "===== durations (ns)" >> "$OUT/ncu_profile.txt"
+  timeout 120 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
+    python3 scripts/profile_tile.py --T 8,64,8192 --ops pre,post_pre,head 2>&1 | grep "spk::" \
+    | awk -F'","' '{print $5, $NF}' | sed 's/"$//' >> "$OUT/ncu_profile.txt"
+  grep -E "^=====|Duration|Registers Per|Achieved Occupancy|DRAM Throughput|Stall" "$OUT/ncu_profile.txt" | head -40
 fi
 if want pp && fits 100 pp; then
   # Issue 7 measurement: PP2 x TP1 on 2 GPUs (v4.1), without and with microbatching.
