@@ -99,6 +99,12 @@ def _check_case(comm, T, D, seed, zero_copy):
     ag = ops.mhc_pre_ag(sp[0], *pre_args, shard(pmi), *eps, comm.handle)
     for a_, b_ in zip(ag, sp[1:], strict=True):
         assert torch.equal(a_, b_), "mhc_pre_ag differs from the fused boundary's pre"
+    # The local pre collapses in pass 1 (last CTA per tile), the SP ops in a second kernel: the
+    # same rows must come out bitwise the same.
+    local = ops.mhc_pre(sp[0], *pre_args, shard(pmi), *eps)
+    assert torch.equal(local[0], sp[1][rows]), "local mhc_pre differs from the SP boundary's layer_input"
+    for a_, b_ in zip(local[1:], sp[2:], strict=True):
+        assert torch.equal(a_, b_), "local mhc_pre's mixes differ from the SP boundary's"
     # sp_all_gather: trimmed, any dtype and trailing dims.
     full_pre = ops.sp_all_gather(sp[4], T - 1, comm.handle)
     conftest.assert_mix_close(full_pre, tp_out[4][: T - 1], f"sp_all_gather(pre_mix) T={T}", atol=MIX_ATOL)
