@@ -64,15 +64,15 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint3
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// The coefficient math is a latency-bound chain on a few warps (20 Sinkhorn sweeps per tile while
-// the other warps wait), so it uses the SFU's approximate exp and reciprocal (~2 ulp each; the
-// mixes' tolerance is 1e-4). Deterministic instructions: replicated ranks still agree bitwise.
 // Asks the L2 to fetch [p, p + bytes) from HBM (sm_90 bulk prefetch; p and bytes multiples of 16).
 // No registers, no completion to wait for: a later load of the range hits L2.
 __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
+// The coefficient math is a latency-bound chain on a few warps (20 Sinkhorn sweeps per tile while
+// the other warps wait), so it uses the SFU's approximate exp and reciprocal (~2 ulp each; the
+// mixes' tolerance is 1e-4). Deterministic instructions: replicated ranks still agree bitwise.
 __device__ __forceinline__ float fast_rcp(float x) { return __fdividef(1.0f, x); }
 __device__ __forceinline__ float sigmoidf(float x) { return fast_rcp(1.0f + __expf(-x)); }
 

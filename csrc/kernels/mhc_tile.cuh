@@ -402,7 +402,7 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
     float v = 0.f;
     if (row < T) {
       // kWsBatch loads in flight, then the adds in slice order (a rolled loop would wait out one
-      // L2 round trip per slice: most of a decode step's pass 2).
+      // round trip per slice).
       const float* p = a.ws + (size_t)row * S * kVals + n;
       for (int s0 = 0; s0 < S; s0 += kWsBatch) {
         float part[kWsBatch];
@@ -469,7 +469,7 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
   float ss = 0.f;
   // kCollapseBatch vectors of every stream loaded before any store: the compiler cannot move a
   // load above a store that may alias it, so a plain loop waits out one memory round trip per
-  // 32 vectors (most of a decode step's pass 2).
+  // 32 vectors (at T = 8 under ncu: the head's pass 2 14.0 -> 7.6 us with the batch).
   for (int v0 = lane; v0 < nvec; v0 += 32 * kCollapseBatch) {
     uint4 xv[kCollapseBatch][kHC];
 #pragma unroll
