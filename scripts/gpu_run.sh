@@ -4,6 +4,7 @@
 #   bash scripts/gpu_run.sh [all | comma list of test,runner,pp,bench,load,sanitize,wheel,profile] [pytest args...]
 # Parts run in the order test, bench, runner, load, sanitize, wheel, profile, pp ("all": every part
 # but profile). DEADLINE=<seconds> skips a part once less than its budget is left.
+# PROFILE_KERNELS="T:kernel ..." picks the targets of profile's ncu --set full.
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/spk_out}; mkdir -p "$OUT"
@@ -68,8 +69,8 @@ if want profile && fits 90 profile; then
   # pass 2 at decode (T = 8); details incl. warp stalls and the top stall lines, then every
   # spkernels kernel's duration at T = 8, 64, 8192 (caches flushed between kernels, as ncu does).
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  for spec in "8192 mhc_rows_kernel" "8 mhc_collapse_kernel"; do
-    read -r T kernel <<< "$spec"
+  for spec in ${PROFILE_KERNELS:-8192:mhc_rows_kernel 8:mhc_collapse_kernel}; do
+    T=${spec%%:*}; kernel=${spec#*:}
     echo "===== ncu --set full: $kernel at T = $T" >> "$OUT/ncu_profile.txt"
     timeout 120 "$ncu" --clock-control none --set full --import-source yes -k "regex:$kernel" --launch-skip 1 \
       --launch-count 1 --page details python3 scripts/profile_tile.py --T "$T" --ops pre >> "$OUT/ncu_profile.txt" 2>&1
