@@ -12,9 +12,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 CROSSOVER_TABLE = Path(__file__).with_name("sp_crossover.json")
-# Used by ``sp_threshold="auto"`` when the table has no entry for (tp_size, hidden_size): at 4096
-# tokens the SP boundary's saving on mHC work and stream memory outweighs its extra launch on every
-# shape measured so far; the table, filled from bench/ results, refines it per shape.
+# Used by ``sp_threshold="auto"`` when the table has no entry for (tp_size, hidden_size). Every
+# shape measured so far (tp = 2) crosses over at 64-256 tokens (bench/NOTES.md); 4096 stays the
+# cautious guess for tp sizes not measured, where SP's extra barriers may cost more.
 DEFAULT_AUTO_THRESHOLD = 4096
 
 
