@@ -99,8 +99,8 @@ def _check_case(comm, T, D, seed, zero_copy):
     ag = ops.mhc_pre_ag(sp[0], *pre_args, shard(pmi), *eps, comm.handle)
     for a_, b_ in zip(ag, sp[1:], strict=True):
         assert torch.equal(a_, b_), "mhc_pre_ag differs from the fused boundary's pre"
-    # The local pre collapses in pass 1 (last CTA per tile), the SP ops in a second kernel: the
-    # same rows must come out bitwise the same.
+    # The local pre of this rank's rows equals the SP boundary's bitwise (its rows of the gathered
+    # layer_input and its mixes): SP and TP engage per forward, so a row must not depend on which.
     local = ops.mhc_pre(sp[0], *pre_args, shard(pmi), *eps)
     assert torch.equal(local[0], sp[1][rows]), "local mhc_pre differs from the SP boundary's layer_input"
     for a_, b_ in zip(local[1:], sp[2:], strict=True):
