@@ -48,7 +48,10 @@ if want runner && fits 100 runner; then
   run --prompt-lens 8192,8192 --gen 2 --warmup 1 --sp-threshold none
   run --prompts 16 --prompt-len 64 --gen 24 --warmup 1
   run --prompts 16 --prompt-len 64 --gen 24 --warmup 1 --no-graphs
-  grep -E "^===|prefill|decode:|peak|rc=|Error" "$OUT/runner.log"
+  # Where the prefill's time goes (profiled runs are slower: shares only).
+  run --prompt-lens 8192,8192 --gen 1 --warmup 1 --sp-threshold 1024 --profile
+  run --prompt-lens 8192,8192 --gen 1 --warmup 1 --sp-threshold none --profile
+  grep -E "^===|prefill|decode:|peak|profile|rc=|Error" "$OUT/runner.log"
 fi
 if want load && fits 90 load; then
   # Issue 8: back-to-back fused boundaries across the GPUs, checked as they run (bench/load.py).

@@ -14,6 +14,7 @@ import torch
 from distributed import run_distributed
 from spkernels.policy import SPPolicy
 from spkernels.runner import Request, RunOptions, compare, plan, schedule, worker
+from spkernels.runner import profile as profile_mod
 from spkernels.runner import weights as weights_mod
 
 # Prompt lengths 1, 3 and 5 are tp - 1 and tp + 1 for tp = 2 and tp = 4 (so some ranks own only pad
@@ -164,6 +165,7 @@ def test_cli_check(tmp_path):
         "--check",
         "--save-weights",
         str(tmp_path / "w"),
+        "--profile",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=os.environ.copy())
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -172,6 +174,27 @@ def test_cli_check(tmp_path):
     assert any(ln.startswith("check vs one process: PASS") for ln in lines), proc.stdout
     assert any(" SP " in ln for ln in lines if ln.startswith("step ")), proc.stdout
     assert (tmp_path / "w").exists()
+    profile = [ln for ln in lines if ln.startswith("profile (rank 0, self CPU time of ops): mHC ")]
+    assert len(profile) == 1, proc.stdout
+    assert not profile[0].startswith("profile (rank 0, self CPU time of ops): mHC 0.00 ms"), profile[0]
+
+
+@pytest.mark.parametrize(
+    "name,label",
+    [
+        ("void spk::mhc_rows_kernel<(spk::YSrc)2, true, true, false>(spk::TileArgs)", "mHC"),
+        ("spkernels::mhc_post_pre_rs_ag", "mHC"),
+        ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "NCCL"),
+        ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel)", "attention"),
+        ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", "attention"),
+        ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT", "GEMM"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "GEMM"),
+        ("aten::mm", "GEMM"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "other"),
+    ],
+)
+def test_profile_categories(name, label):
+    assert profile_mod.category(name) == label
 
 
 def test_schedule_decode_first_within_budget():

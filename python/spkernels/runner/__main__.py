@@ -15,6 +15,7 @@ import sys
 from .config import PRESETS
 from .engine import MICROBATCH_MIN_TOKENS
 from .launch import RunOptions, exit_without_teardown, launch
+from .profile import format_breakdown
 
 
 def _threshold(text: str):
@@ -124,6 +125,12 @@ def parse_args(argv=None) -> RunOptions:
         action="store_true",
         help="also run each replayed step eagerly and report the largest logit difference",
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="print the measured run's time by category (mHC, NCCL, attention, GEMM, other; GPU kernel "
+        "time on cuda); profiling slows the run, so take throughput from a run without it",
+    )
     p.add_argument("--load-weights", default=None, metavar="PATH")
     p.add_argument("--save-weights", default=None, metavar="PATH")
     p.add_argument("--quiet", action="store_true", help="no per-step lines or progress")
@@ -151,6 +158,8 @@ def report(results: dict) -> bool:
     for rank, peak in enumerate(results["peak_memory"]):
         print(f"rank {rank}: peak memory {peak / 2**20:.1f} MiB")
     print(f"peak stream per rank: {stats['peak_stream_bytes'] / 2**20:.2f} MiB")
+    if "profile_ms" in stats:
+        print(format_breakdown(stats["profile_ms"], results["device"]))
     for i, tokens in enumerate(results["tokens"]):
         print(f"tokens {i}: {' '.join(map(str, tokens))}")
     check = results.get("check")

@@ -3,6 +3,7 @@ torchrun, or in one process for tp = pp = 1; the ``--check`` comparison against 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import resource
@@ -20,6 +21,7 @@ from .config import ModelConfig, preset
 from .engine import MICROBATCH_MIN_TOKENS, Engine
 from .model import Model
 from .pipeline import make_stage
+from .profile import Profiler
 from .weights import load_weights, random_weights, save_weights
 
 DEFAULT_CUDA_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -56,6 +58,7 @@ class RunOptions:
     check_atol: float | None = None  # None: CHECK_RTOL * max |reference logit| (see compare)
     check_graphs: bool = False
     record_logits: bool = False
+    profile: bool = False  # time by category (mHC, NCCL, attention, GEMM, other) of the measured run
     load_weights: str | None = None
     save_weights: str | None = None
     verbose: bool = True
@@ -189,7 +192,15 @@ def _peak_memory(device: torch.device) -> int:
 
 
 def _generate(
-    model, plan_: Plan, opts: RunOptions, policy: SPPolicy, graphs: bool, log, record: bool, microbatches=1
+    model,
+    plan_: Plan,
+    opts: RunOptions,
+    policy: SPPolicy,
+    graphs: bool,
+    log,
+    record: bool,
+    microbatches=1,
+    profile=False,
 ):
     engine = Engine(
         model,
@@ -208,11 +219,16 @@ def _generate(
     engine.steps.clear()
     engine.forwards.clear()
     progress = ProgressBar(len(plan_.prompts) * opts.gen) if log else None
-    requests = engine.generate(plan_.prompts, opts.gen, progress)
+    profiler = Profiler(model.device) if profile else contextlib.nullcontext()
+    with profiler:
+        requests = engine.generate(plan_.prompts, opts.gen, progress)
     if progress:
         progress.close()
+    stats = engine.stats()
+    if profile:
+        stats["profile_ms"] = profiler.totals()
     forwards = [dataclasses.astuple(f) for f in engine.forwards]
-    return requests, engine.stats(), [dataclasses.astuple(s) for s in engine.steps], forwards
+    return requests, stats, [dataclasses.astuple(s) for s in engine.steps], forwards
 
 
 class ProgressBar:
@@ -333,7 +349,7 @@ def worker(rank: int, world_size: int, opts: RunOptions) -> dict | None:
             )
         record = opts.check or opts.record_logits
         requests, stats, steps, forwards = _generate(
-            model, plan_, opts, plan_.policy, plan_.graphs, log, record, opts.microbatches
+            model, plan_, opts, plan_.policy, plan_.graphs, log, record, opts.microbatches, opts.profile
         )
         del model
         tokens = [r.generated for r in requests]
@@ -350,6 +366,7 @@ def worker(rank: int, world_size: int, opts: RunOptions) -> dict | None:
     if rank != 0:
         return None
     results = {
+        "device": device.type,
         "tokens": tokens,
         "stats": stats,
         "peak_memory": memory,
