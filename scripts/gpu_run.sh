@@ -82,7 +82,11 @@ if want profile && fits 90 profile; then
   timeout 120 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
     python3 scripts/profile_tile.py --T 8,64,8192 --ops pre,post_pre,head 2>&1 | grep "spk::" \
     | awk -F'","' '{print $5, $NF}' | sed 's/"$//' >> "$OUT/ncu_profile.txt"
+  # The fused boundaries across the GPUs: each kernel's duration and the gaps between them.
+  echo "===== fused boundaries (torch.profiler)" >> "$OUT/ncu_profile.txt"
+  timeout 120 python3 scripts/profile_sp.py --T 8,64,8192 >> "$OUT/ncu_profile.txt" 2>&1
   grep -E "^=====|Duration|Registers Per|Achieved Occupancy|DRAM Throughput|Stall" "$OUT/ncu_profile.txt" | head -40
+  sed -n '/===== fused boundaries/,$p' "$OUT/ncu_profile.txt" | grep -v USDT | head -60
 fi
 if want pp && fits 100 pp; then
   # Issue 7 measurement: PP2 x TP1 on 2 GPUs (v4.1), without and with microbatching.

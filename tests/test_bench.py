@@ -52,6 +52,30 @@ def test_cpu_sweep_end_to_end(tmp_path):
     assert "SPEC.md §7 targets" in proc.stdout
 
 
+def test_profile_sp_smoke():
+    """scripts/profile_sp.py on gloo: every rank reports each op's calls (GPU runs split kernels)."""
+    script = str(REPO / "scripts" / "profile_sp.py")
+    cmd = [sys.executable, script, "--cpu", "--T", "8", "--D", "64", "--calls", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
+    for rank in (0, 1):
+        for op in ("mhc_post_pre_rs_ag", "mhc_post_pre_ar"):
+            assert f"rank {rank}: {op} T=8 D=64 tp=2" in proc.stdout, proc.stdout
+    assert proc.stdout.count("span of a call (1 kernels)") == 4, proc.stdout
+
+
+def test_profile_sp_summary():
+    sys.path.insert(0, str(REPO / "scripts"))
+    import profile_sp
+
+    spans = [("pass1", 0, 10), ("pass2", 12, 20), ("pass1", 30, 41), ("pass2", 44, 50)]
+    lines = profile_sp.summarize(spans, calls=2)
+    assert "pass1" in lines[0] and "10.5 us" in lines[0] and "(then 2.5 us gap)" in lines[0], lines
+    assert "pass2" in lines[1] and "7.0 us" in lines[1] and "gap" not in lines[1], lines
+    assert lines[2].strip() == "20.0 us  span of a call (2 kernels)", lines
+    assert "cannot split" in profile_sp.summarize(spans[:3], calls=2)[0]
+
+
 def test_traffic_formulas():
     T, D = 4096, 4096
     R = D * 2
