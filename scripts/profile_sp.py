@@ -53,6 +53,7 @@ def summarize(spans: list[tuple[str, float, float]], calls: int) -> list[str]:
 
 def worker(rank: int, world: int, port: int, args) -> None:
     import spkernels
+    from spkernels.runner.launch import exit_without_teardown
 
     cuda = torch.cuda.is_available() and not args.cpu
     if cuda:
@@ -112,6 +113,7 @@ def worker(rank: int, world: int, port: int, args) -> None:
     finally:
         comm.close()
         dist.destroy_process_group()
+    exit_without_teardown(0)
 
 
 def main() -> None:
