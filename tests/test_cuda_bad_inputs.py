@@ -3,7 +3,8 @@ and the process goes on (a good call right after the bad one succeeds).
 
 The table is generated from the op schemas, as in test_ops_cpu.py's CPU table. Kinds of bad argument:
 dtype, shape (one more trailing column), rows (one more token), ndim, non-contiguous, a CPU tensor
-among CUDA ones, a tensor on the other GPU, hc != 4, D not a multiple of 8, D > 8192, sinkhorn_iters
+among CUDA ones, a tensor on the other GPU, a view that does not start on a 16-byte boundary (the
+tensors the kernels read as vectors), hc != 4, D not a multiple of 8, D > 8192, sinkhorn_iters
 = 0; for the comm ops also T above the communicator's capacity, a stream whose D is not the
 communicator's hidden_size, an SP partial whose T is not tp * T_local (T % tp != 0), a closed
 communicator and an unknown handle, and sp_all_gather's num_tokens out of range.
@@ -33,6 +34,7 @@ LOCAL_OPS = ["mhc_pre", "mhc_post", "mhc_post_pre", "mhc_head"]
 COMM_OPS = ["mhc_post_rs", "mhc_pre_ag", "mhc_post_pre_rs_ag", "sp_all_gather", "sp_shard"]
 COMM_OPS += ["mhc_post_ar", "mhc_post_pre_ar"]
 SP_PARTIAL_OPS = ("mhc_post_rs", "mhc_post_pre_rs_ag")  # partial is [tp * T_local, D]
+VEC16_ARGS = ("y", "partial", "fn", "norm_weight")  # and the stream: read in 16-byte vectors
 # Whole consistent calls at another (hc, D): only the hc / D rule is broken.
 SHAPE_KINDS = {"hc3": (3, D), "d_not8": (4, 60), "d_big": (4, 8200), "hidden": (4, 72)}
 
@@ -94,6 +96,9 @@ def mutate(t: torch.Tensor, kind: str) -> torch.Tensor:
         return noncontiguous(t)
     if kind == "cpu":
         return t.cpu()
+    if kind == "misaligned":  # contiguous, but one element past a 16-byte boundary
+        flat = torch.empty(t.numel() + 16, dtype=t.dtype, device=t.device)
+        return flat[1 : 1 + t.numel()].view(t.shape).copy_(t)
     if kind == "other_gpu":
         return t.to(other_device(t.device))
     raise AssertionError(kind)
@@ -109,8 +114,10 @@ def tensor_kinds(op_name: str, arg: str) -> list[str]:
     if op_name == "sp_all_gather":
         return ["ndim0", "noncontiguous", "cpu", "other_gpu"]
     if arg == "stream":
-        return ["dtype", "ndim", "noncontiguous", "cpu", "other_gpu"]
+        return ["dtype", "ndim", "noncontiguous", "misaligned", "cpu", "other_gpu"]
     kinds = ["dtype", "shape", "noncontiguous", "cpu", "other_gpu"]
+    if arg in VEC16_ARGS:
+        kinds.append("misaligned")
     if arg in ("y", "post_mix", "res_mix", "pre_mix_in") or (arg == "partial" and op_name.endswith("_ar")):
         kinds.append("rows")
     if arg == "partial" and op_name in SP_PARTIAL_OPS:
@@ -139,6 +146,7 @@ def needles(op_name: str, arg: str, kind: str) -> list[str]:
         "d_big": [r"8192", r"got D = 8200"],
         "hidden": [r"\bhidden_size\b"],
         "t_mod_tp": [r"multiple of tp"],
+        "misaligned": [r"16-byte boundary"],
         "cpu": [r"\bcpu\b"],
     }.get(kind, [])
     # A stream on the other GPU (local ops) is reported through the first argument that is not on

@@ -63,15 +63,19 @@ inline std::string fmt(const Args&... args) {
 
 namespace spk {
 
-// sizes: expected sizes, -1 where any size goes.
+// sizes: expected sizes, -1 where any size goes. vec16: the kernels read it in 16-byte vectors, so it
+// must start on a 16-byte boundary (every allocation does; a view with an odd storage offset may not).
 inline void check_tensor(const char* name, const at::Tensor& t, at::ScalarType dtype, c10::IntArrayRef sizes,
-                         const at::Device& device) {
+                         const at::Device& device, bool vec16 = false) {
   SPK_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, " ", sizes, ", got ", t.scalar_type());
   bool ok = t.dim() == (int64_t)sizes.size();
   for (size_t i = 0; ok && i < sizes.size(); ++i) ok = sizes[i] < 0 || t.size(i) == sizes[i];
   SPK_CHECK(ok, name, " must have shape ", sizes, ", got ", t.sizes());
   SPK_CHECK(t.device() == device, name, " must be on ", device, " like the stream, got ", t.device());
   SPK_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
+  SPK_CHECK(!vec16 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
+            " must start on a 16-byte boundary (the kernels read 16-byte vectors), got a view at storage offset ",
+            t.storage_offset());
 }
 
 // The stream: bf16 [T, 4, D] on CUDA, D a multiple of 8 up to kMaxHidden.
@@ -83,7 +87,7 @@ inline void check_stream(const at::Tensor& stream) {
   const int64_t D = stream.size(2);
   SPK_CHECK(D > 0 && D % 8 == 0 && D <= kMaxHidden, "stream's hidden size D must be a multiple of 8 in [8, ",
             kMaxHidden, "] on CUDA, got D = ", D);
-  check_tensor("stream", stream, at::kBFloat16, {-1, kHC, D}, stream.device());
+  check_tensor("stream", stream, at::kBFloat16, {-1, kHC, D}, stream.device(), true);
   SPK_CHECK(stream.size(0) <= (int64_t)INT32_MAX / kHC, "stream has too many tokens: ", stream.size(0));
 }
 
@@ -97,10 +101,10 @@ inline void check_pre_args(const at::Tensor& stream, const at::Tensor& fn, const
                            const at::Tensor& base, const c10::optional<at::Tensor>& norm_weight,
                            const c10::optional<at::Tensor>& pre_mix_in, int64_t sinkhorn_iters) {
   const int64_t T = stream.size(0), D = stream.size(2);
-  check_tensor("fn", fn, at::kFloat, {kMix, kHC * D}, stream.device());
+  check_tensor("fn", fn, at::kFloat, {kMix, kHC * D}, stream.device(), true);
   check_tensor("scale", scale, at::kFloat, {3}, stream.device());
   check_tensor("base", base, at::kFloat, {kMix}, stream.device());
-  if (norm_weight) check_tensor("norm_weight", *norm_weight, at::kBFloat16, {D}, stream.device());
+  if (norm_weight) check_tensor("norm_weight", *norm_weight, at::kBFloat16, {D}, stream.device(), true);
   if (pre_mix_in) check_tensor("pre_mix_in", *pre_mix_in, at::kFloat, {T, kHC}, stream.device());
   SPK_CHECK(sinkhorn_iters >= 1 && sinkhorn_iters <= 1000, "sinkhorn_iters must be in [1, 1000], got ", sinkhorn_iters);
 }

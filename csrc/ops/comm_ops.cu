@@ -31,7 +31,7 @@ CommState& comm_for_stream(int64_t handle, const Tensor& stream, bool sp) {
 // SP partial: [tp * T_local, D] bf16.
 void check_sp_partial(const CommState& c, const Tensor& partial, const Tensor& stream) {
   const int64_t T = stream.size(0) * c.world;
-  check_tensor("partial", partial, at::kBFloat16, {-1, stream.size(2)}, stream.device());
+  check_tensor("partial", partial, at::kBFloat16, {-1, stream.size(2)}, stream.device(), true);
   SPK_CHECK(partial.size(0) == T, "partial must be [T, D] with T = tp * T_local = ", c.world, " * ", stream.size(0),
             " = ", T, " (pad T to a multiple of tp), got ", partial.sizes());
 }
@@ -185,7 +185,7 @@ Tensor mhc_post_ar_cuda(const Tensor& partial, const Tensor& stream, const Tenso
                         int64_t comm) {
   check_stream(stream);
   CommState& c = comm_for_stream(comm, stream, false);
-  check_tensor("partial", partial, at::kBFloat16, {stream.size(0), stream.size(2)}, stream.device());
+  check_tensor("partial", partial, at::kBFloat16, {stream.size(0), stream.size(2)}, stream.device(), true);
   check_post_args(stream, post_mix, res_mix);
   const c10::cuda::CUDAGuard guard(stream.device());
   if (!c.lsa) return mhc_post_cuda(nccl_reduce(c, partial, stream.size(0), false), stream, post_mix, res_mix);
@@ -202,7 +202,7 @@ PostPreOut mhc_post_pre_ar_cuda(const Tensor& partial, const Tensor& stream, con
                                 int64_t comm) {
   check_stream(stream);
   CommState& c = comm_for_stream(comm, stream, false);
-  check_tensor("partial", partial, at::kBFloat16, {stream.size(0), stream.size(2)}, stream.device());
+  check_tensor("partial", partial, at::kBFloat16, {stream.size(0), stream.size(2)}, stream.device(), true);
   check_post_args(stream, post_mix, res_mix);
   check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, sinkhorn_iters);
   const c10::cuda::CUDAGuard guard(stream.device());

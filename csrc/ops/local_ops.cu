@@ -20,7 +20,7 @@ PreOut mhc_pre_cuda(const Tensor& stream, const Tensor& fn, const Tensor& scale,
 
 Tensor mhc_post_cuda(const Tensor& y, const Tensor& stream, const Tensor& post_mix, const Tensor& res_mix) {
   check_stream(stream);
-  check_tensor("y", y, at::kBFloat16, {stream.size(0), stream.size(2)}, stream.device());
+  check_tensor("y", y, at::kBFloat16, {stream.size(0), stream.size(2)}, stream.device(), true);
   check_post_args(stream, post_mix, res_mix);
   const c10::cuda::CUDAGuard guard(stream.device());
   Tensor new_stream = at::empty_like(stream);
@@ -36,7 +36,7 @@ PostPreOut mhc_post_pre_cuda(const Tensor& y, const Tensor& stream, const Tensor
                              const OptTensor& pre_mix_in, double rms_eps, double hc_eps, double norm_eps,
                              int64_t sinkhorn_iters, double post_alpha) {
   check_stream(stream);
-  check_tensor("y", y, at::kBFloat16, {stream.size(0), stream.size(2)}, stream.device());
+  check_tensor("y", y, at::kBFloat16, {stream.size(0), stream.size(2)}, stream.device(), true);
   check_post_args(stream, post_mix, res_mix);
   check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, sinkhorn_iters);
   const c10::cuda::CUDAGuard guard(stream.device());
@@ -55,7 +55,7 @@ Tensor mhc_head_cuda(const Tensor& stream, const Tensor& fn, const Tensor& scale
                      double hc_eps) {
   check_stream(stream);
   const int64_t D = stream.size(2);
-  check_tensor("fn", fn, at::kFloat, {kHC, kHC * D}, stream.device());
+  check_tensor("fn", fn, at::kFloat, {kHC, kHC * D}, stream.device(), true);
   check_tensor("scale", scale, at::kFloat, {1}, stream.device());
   check_tensor("base", base, at::kFloat, {kHC}, stream.device());
   const c10::cuda::CUDAGuard guard(stream.device());
