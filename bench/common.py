@@ -250,9 +250,11 @@ def machine_info(commit: str | None = None) -> dict:
         v = torch.cuda.nccl.version()
         nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     driver = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) if cuda else ""
-    commit = commit or os.environ.get("SPK_COMMIT") or _run(["git", "rev-parse", "HEAD"]) or "unknown"
-    if commit != "unknown" and _run(["git", "status", "--porcelain", "--untracked-files=no"]):
-        commit += "-dirty"
+    commit = commit or os.environ.get("SPK_COMMIT")  # given: taken as is (the GPU machine's .git is stale)
+    if not commit:
+        commit = _run(["git", "rev-parse", "HEAD"]) or "unknown"
+        if commit != "unknown" and _run(["git", "status", "--porcelain", "--untracked-files=no"]):
+            commit += "-dirty"
     return {
         "gpu": torch.cuda.get_device_name(0) if cuda else "cpu",
         "gpus": torch.cuda.device_count() if cuda else 0,

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # One device-machine session: build, GPU test suite, benchmarks. Logs and JSON land in $OUT.
 # Usage (on the GPU machine, from the repo root):
-#   bash scripts/gpu_run.sh [all | comma list of test,runner,pp,bench,load,sanitize,wheel,profile] [pytest args...]
-# Parts run in the order test, bench, runner, load, sanitize, wheel, profile, pp ("all": every part
-# but profile). DEADLINE=<seconds> skips a part once less than its budget is left.
+#   bash scripts/gpu_run.sh [all | comma list of test,runner,pp,bench,ab,load,sanitize,wheel,profile] [pytest args...]
+# Parts run in the order test, bench, ab, runner, load, sanitize, wheel, profile, pp ("all": every
+# part but ab and profile). DEADLINE=<seconds> skips a part once less than its budget is left.
+# ab: the same bench (AB_ARGS, default BENCH_ARGS) on this tree and on each tree under .ab/ (made
+# by scripts/ab_trees.sh, carried along), built in place while this tree builds; ab_<name>.json
+# each, compared by scripts/ab_table.py.
 # PROFILE_KERNELS="T:kernel ..." picks the targets of profile's ncu --set full.
 set -uo pipefail
 what=${1:-all}; shift || true
-OUT=${OUT:-/tmp/spk_out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/spk_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export MAX_JOBS=${MAX_JOBS:-16}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$OUT/machine.txt" 2>&1
@@ -15,6 +18,15 @@ export MAX_JOBS=${MAX_JOBS:-16}
 # runner.log (runner, load console, wheel check, pp), load.json, sanitize_summary.txt (build.log
 # on failure); ncu_profile.txt (profile) in place of one of them.
 start=$(date +%s)
+want() { [[ ($what == all && $1 != profile && $1 != ab) || ,$what, == *,$1,* ]]; }  # what: all, or a comma list
+ab_trees=()
+if want ab; then  # build the other trees in place, beside this tree's build
+  for d in .ab/*/; do
+    [[ -f $d/COMMIT ]] || continue
+    ab_trees+=("${d%/}")
+    (cd "$d" && MAX_JOBS=8 python3 setup.py build_ext --inplace > build.log 2>&1; echo $? > build.rc) &
+  done
+fi
 if ! python3 -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
   tail -60 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
 fi
@@ -28,7 +40,6 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl runtime', L.
 print('ops:', sorted(n.split('::')[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith('spkernels::')))
 " 2>&1 | tee -a "$OUT/machine.txt"
 rc=0
-want() { [[ ($what == all && $1 != profile) || ,$what, == *,$1,* ]]; }  # what: all, or a comma list
 if want test && fits 120 test; then
   targets=("$@"); [[ ${#targets[@]} -eq 0 ]] && targets=(-m gpu tests)  # the GPU suite; CI runs the rest
   # A broken barrier shows as a timeout error, not a suite-long hang.
@@ -39,6 +50,27 @@ if want test && fits 120 test; then
 fi
 if want bench && fits 90 bench; then
   timeout $(( $(left) < ${BENCH_TIMEOUT:-420} ? $(left) : ${BENCH_TIMEOUT:-420} )) python3 bench/collectives.py ${BENCH_ARGS:---quick} --out "$OUT" 2>&1 | tail -60
+fi
+if want ab && fits 60 ab; then
+  wait  # the trees' builds
+  ab_args=${AB_ARGS:-${BENCH_ARGS:---quick}}
+  ab_bench() {  # tree name commit: that tree's bench on that tree's build (checked) -> ab_<name>.json
+    local ok=0
+    (cd "$1" && export PYTHONPATH=$PWD/python &&
+      python3 -c "import spkernels, sys; sys.exit(not spkernels.__file__.startswith('$PWD/'))" &&
+      timeout $(( $(left) < 300 ? $(left) : 300 )) python3 bench/collectives.py $ab_args --out "$OUT" \
+        --name "ab_$2" --commit "$3") > "$OUT/ab_$2.log" 2>&1 || { ok=1; echo "ab $2: FAILED: $(tail -5 "$OUT/ab_$2.log")"; }
+    rm -f "$OUT/ab_$2.png" "$OUT/ab_$2.txt" "$OUT/ab_$2.log"
+    return $ok
+  }
+  results=()
+  ab_bench "$PWD" this "${SPK_COMMIT:-this}" && results+=("$OUT/ab_this.json")
+  for d in "${ab_trees[@]}"; do
+    name=$(basename "$d")
+    if [[ $(cat "$d/build.rc") != 0 ]]; then echo "ab $name: BUILD FAILED"; tail -20 "$d/build.log"; continue; fi
+    fits 30 "ab $name" && ab_bench "$PWD/$d" "$name" "$(cat "$d/COMMIT")" && results+=("$OUT/ab_$name.json")
+  done
+  (( ${#results[@]} )) && python3 scripts/ab_table.py "${results[@]}" | tee "$OUT/ab_table.txt"
 fi
 if want runner && fits 100 runner; then
   # Issue 6 measurements: prefill with and without SP at 2 x 8k tokens; decode with and without graphs.

@@ -76,6 +76,27 @@ def test_profile_sp_summary():
     assert "cannot split" in profile_sp.summarize(spans[:3], calls=2)[0]
 
 
+def test_ab_table(tmp_path):
+    """scripts/ab_table.py: one line per shape in every file, times and ratios to the first file."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import ab_table
+
+    def write(name, commit, rows):
+        keys = ("op", "T", "D", "tp", "graph", "time_us")
+        doc = {"machine": {"commit": commit}, "rows": [dict(zip(keys, r, strict=True)) for r in rows]}
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+        return str(tmp_path / f"{name}.json")
+
+    base = write("a", "c1", [("mhc_pre", 8, 64, 1, True, 10.0), ("mhc_pre", 8, 64, 1, True, 10.0),
+                             ("mhc_post", 8, 64, 1, False, 4.0)])  # fmt: skip
+    other = write("b", "c2", [("mhc_pre", 8, 64, 1, True, 5.0), ("mhc_head", 8, 64, 1, True, 1.0)])
+    lines = ab_table.table([base, other])
+    assert "a@c1" in lines[0] and "b@c2" in lines[0], lines[0]
+    assert len(lines) == 2, lines  # only the shape present in both files
+    assert lines[1].split()[:5] == ["mhc_pre", "8", "64", "1", "graph"], lines[1]
+    assert "10.0 us" in lines[1] and "5.0 us ( 0.50x)" in lines[1], lines[1]
+
+
 def test_traffic_formulas():
     T, D = 4096, 4096
     R = D * 2

@@ -1,0 +1,50 @@
+"""Compare bench/collectives.py results of several builds (an A/B run: `gpu_run.sh ab`).
+
+    python scripts/ab_table.py base.json other.json [...]
+
+One line per (op, T, D, tp, mode) present in every file: each file's op time (µs) and its ratio
+to the first file's (< 1: faster than the first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from statistics import median
+
+
+def op_times(path: str) -> tuple[str, dict[tuple, float]]:
+    """(label, {(op, T, D, tp, mode): µs}) of one results file; an op timed against several
+    baselines appears once per baseline with the same time: the median is kept."""
+    data = json.loads(Path(path).read_text())
+    times: dict[tuple, list[float]] = {}
+    for r in data["rows"]:
+        key = (r["op"], r["T"], r["D"], r["tp"], "graph" if r["graph"] else "eager")
+        times.setdefault(key, []).append(r["time_us"])
+    label = f"{Path(path).stem}@{data['machine'].get('commit', '?')}"
+    return label, {k: median(v) for k, v in times.items()}
+
+
+def table(paths: list[str]) -> list[str]:
+    runs = [op_times(p) for p in paths]
+    keys = sorted(set.intersection(*(set(t) for _, t in runs)))
+    labels = " ".join(f"{label:>24}" for label, _ in runs)
+    lines = [f"{'op':<22} {'T':>6} {'D':>5} {'tp':>2} {'mode':<5} {labels}"]
+    for key in keys:
+        base = runs[0][1][key]
+        cells = [f"{base:10.1f} us{'':>11}"]
+        cells += [f"{t[key]:10.1f} us ({t[key] / base:5.2f}x)" for _, t in runs[1:]]
+        op, T, D, tp, mode = key
+        lines.append(f"{op:<22} {T:>6} {D:>5} {tp:>2} {mode:<5} " + " ".join(f"{c:>24}" for c in cells))
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("results", nargs="+", help="bench JSON files; the first is the base")
+    print("\n".join(table(p.parse_args().results)))
+
+
+if __name__ == "__main__":
+    main()
