@@ -62,16 +62,16 @@ def traffic(op: str, T: int, D: int, tp: int) -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------- reference baselines
-def ref_pre(stream, fn, scale, base, norm_weight):
-    return ref.mhc_pre(stream, fn, scale, base, norm_weight)
+def ref_pre(stream, fn, scale, base, norm_weight, pre_mix_in):
+    return ref.mhc_pre(stream, fn, scale, base, norm_weight, pre_mix_in)
 
 
 def ref_post(y, stream, post_mix, res_mix):
     return ref.mhc_post(y, stream, post_mix, res_mix)
 
 
-def ref_post_pre(y, stream, post_mix, res_mix, fn, scale, base, norm_weight):
-    return ref.mhc_post_pre(y, stream, post_mix, res_mix, fn, scale, base, norm_weight)
+def ref_post_pre(y, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_in):
+    return ref.mhc_post_pre(y, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_in)
 
 
 def ref_head(stream, fn, scale, base):
@@ -89,12 +89,12 @@ def compiled(fn: Callable) -> Callable:
     return _compiled[fn]
 
 
-def spk_pre(stream, fn, scale, base, norm_weight):
-    return ops.mhc_pre(stream, fn, scale, base, norm_weight, None, *EPS)
+def spk_pre(stream, fn, scale, base, norm_weight, pre_mix_in):
+    return ops.mhc_pre(stream, fn, scale, base, norm_weight, pre_mix_in, *EPS)
 
 
-def spk_post_pre(y, stream, post_mix, res_mix, fn, scale, base, norm_weight):
-    return ops.mhc_post_pre(y, stream, post_mix, res_mix, fn, scale, base, norm_weight, None, *EPS)
+def spk_post_pre(y, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_in):
+    return ops.mhc_post_pre(y, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_in, *EPS)
 
 
 def spk_head(stream, fn, scale, base):
@@ -111,7 +111,7 @@ LOCAL_OF = {"mhc_post_rs": "mhc_post", "mhc_post_ar": "mhc_post", "mhc_pre_ag": 
             "mhc_post_pre_rs_ag": "mhc_post_pre", "mhc_post_pre_ar": "mhc_post_pre"}  # fmt: skip
 
 
-def prime_compiled(op: str, D: int, params: Params, device) -> None:
+def prime_compiled(op: str, D: int, params: Params, device, delayed: bool = False) -> None:
     """Compile ``op``'s reference once with a symbolic token count (T = 2 marked dynamic), so every
     T >= 2 of the sweep reuses one graph instead of recompiling (T = 1 still specialises)."""
     spk_fn, ref_fn = LOCAL_FNS[LOCAL_OF.get(op, op)]
@@ -119,12 +119,13 @@ def prime_compiled(op: str, D: int, params: Params, device) -> None:
     stream = torch.randn((T, HC, D), device=device).to(torch.bfloat16)
     y = torch.randn((T, D), device=device).to(torch.bfloat16)
     post_mix, res_mix = make_mixes(T, D, params, None, device)
-    for t in (stream, y, post_mix, res_mix):
+    pmi = make_pre_mix_in(T, None, device) if delayed else None
+    for t in (stream, y, post_mix, res_mix, *([pmi] if delayed else [])):
         torch._dynamo.maybe_mark_dynamic(t, 0)
     args = {
-        ref_pre: (stream, *params.pre),
+        ref_pre: (stream, *params.pre, pmi),
         ref_post: (y, stream, post_mix, res_mix),
-        ref_post_pre: (y, stream, post_mix, res_mix, *params.pre),
+        ref_post_pre: (y, stream, post_mix, res_mix, *params.pre, pmi),
         ref_head: (stream, *params.head),
     }[ref_fn]
     compiled(ref_fn)(*args)
@@ -180,6 +181,11 @@ def make_mixes(T: int, D: int, params: Params, gen, device, chunk: int = 4096):
     return torch.cat(post).contiguous(), torch.cat(res).contiguous()
 
 
+def make_pre_mix_in(T: int, gen, device) -> torch.Tensor:
+    """V4.1 delayed mode's carried-in collapse weights [T, 4]: a previous site's pre (> 0)."""
+    return torch.sigmoid(_randn((T, HC), gen, device)) + ref.HC_EPS
+
+
 @dataclass
 class Inputs:
     """``nsets`` input sets for one (suite, T, D, tp), rotated by the timing loop."""
@@ -188,13 +194,16 @@ class Inputs:
     partials: list[torch.Tensor]  # [T, D]: the sublayer output (local: y) or this rank's partial
     post_mix: torch.Tensor
     res_mix: torch.Tensor
+    pre_mix_in: torch.Tensor | None = None  # [T_stream, 4] in delayed mode: every pre collapses with it
 
     @property
     def nsets(self) -> int:
         return len(self.streams)
 
 
-def make_inputs(suite: str, T: int, D: int, tp: int, rank: int, nsets: int, params, device) -> Inputs:
+def make_inputs(
+    suite: str, T: int, D: int, tp: int, rank: int, nsets: int, params, device, delayed: bool = False
+) -> Inputs:
     # The replicated TP stream and the local suite's inputs are the same on every rank; an SP
     # shard and every partial differ per rank, as they do in a model.
     t_stream = T // tp if suite == "sp" else T
@@ -203,7 +212,8 @@ def make_inputs(suite: str, T: int, D: int, tp: int, rank: int, nsets: int, para
     streams = [_randn((t_stream, HC, D), g_stream, device, torch.bfloat16) for _ in range(nsets)]
     partials = [_randn((T, D), g_part, device, torch.bfloat16) for _ in range(nsets)]
     post, res = make_mixes(t_stream, D, params, g_stream, device)
-    return Inputs(streams, partials, post, res)
+    pre_mix_in = make_pre_mix_in(t_stream, g_stream, device) if delayed else None
+    return Inputs(streams, partials, post, res, pre_mix_in)
 
 
 def set_bytes(suite: str, T: int, D: int, tp: int) -> int:
@@ -237,10 +247,10 @@ def variants(op: str, c: Ctx, guard: bool = False) -> dict[str, Callable[[int], 
             if op == "mhc_head":
                 return lambda i: fn(x.streams[i], *p.head)
             if op == "mhc_pre":
-                return lambda i: fn(x.streams[i], *p.pre)
+                return lambda i: fn(x.streams[i], *p.pre, x.pre_mix_in)
             if op == "mhc_post":
                 return lambda i: fn(x.partials[i], x.streams[i], x.post_mix, x.res_mix)
-            return lambda i: fn(x.partials[i], x.streams[i], x.post_mix, x.res_mix, *p.pre)
+            return lambda i: fn(x.partials[i], x.streams[i], x.post_mix, x.res_mix, *p.pre, x.pre_mix_in)
 
         out = {"spkernels": local(kernel)}
         if c.with_compile and not guard:
@@ -278,7 +288,7 @@ def prepare(op: str, c: Ctx) -> None:
 
 def _fused(op: str, c: Ctx, plain: bool = False):
     x, h = c.inputs, c.comm.handle
-    pre = (*c.params.pre, None, *EPS, h)
+    pre = (*c.params.pre, x.pre_mix_in, *EPS, h)
     buf = c.comm.partial_buffer(c.T) if op in PARTIAL_OPS else None
 
     def partial(i):
@@ -322,7 +332,7 @@ def _unfused(op: str, c: Ctx, local_fn, guard: bool):
     if op == "mhc_pre_ag":
 
         def pre_ag(i):
-            layer_input, *mixes = local_fn(x.streams[i], *p.pre)
+            layer_input, *mixes = local_fn(x.streams[i], *p.pre, x.pre_mix_in)
             return (_all_gather(layer_input, c), *mixes)
 
         return pre_ag
@@ -332,12 +342,13 @@ def _unfused(op: str, c: Ctx, local_fn, guard: bool):
         return lambda i: local_fn(_all_reduce(x.partials[i], c, guard), x.streams[i], x.post_mix, x.res_mix)
     if op == "mhc_post_pre_ar":
         return lambda i: local_fn(
-            _all_reduce(x.partials[i], c, guard), x.streams[i], x.post_mix, x.res_mix, *p.pre
+            _all_reduce(x.partials[i], c, guard), x.streams[i], x.post_mix, x.res_mix, *p.pre, x.pre_mix_in
         )
 
     def boundary(i):  # mhc_post_pre_rs_ag: RS -> post+pre on the shard -> AG of layer_input
         y = _reduce_scatter(x.partials[i], c)
-        new_stream, layer_input, *mixes = local_fn(y, x.streams[i], x.post_mix, x.res_mix, *p.pre)
+        pre = (*p.pre, x.pre_mix_in)
+        new_stream, layer_input, *mixes = local_fn(y, x.streams[i], x.post_mix, x.res_mix, *pre)
         return (new_stream, _all_gather(layer_input, c), *mixes)
 
     return boundary

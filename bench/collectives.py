@@ -1,13 +1,16 @@
 """spkernels microbenchmarks: each op against what a user would otherwise run, and against the machine.
 
-    python bench/collectives.py [--quick] [--suite all|local|sp|tp] [--out DIR] [--write-crossover]
+    python bench/collectives.py [--quick] [--suite all|local|sp|tp] [--delayed] [--out DIR]
+                                [--write-crossover]
 
 With N GPUs it spawns one process per GPU (or runs under torchrun) and sweeps tp = N (and 2 when
 N > 2); without GPUs (or with --cpu) it runs a small CPU/gloo smoke sweep on 2 processes. Ops and
 variants: bench/cases.py. Timing: bench/common.py (METHOD.md: warm-up, events or graph replays,
 median, max over ranks, A/B interleaving, inputs rotated over >= 2x L2). Outputs, under --out
 (default bench/results): <name>.json (SPEC.md §7 format, plus floors, config and crossover),
-<name>.txt (every row), <name>.png (latency and speedup vs T).
+<name>.txt (every row), <name>.png (latency and speedup vs T). --delayed: V4.1 delayed mode, every
+pre and its baselines collapse with a carried-in pre_mix_in (name suffix _delayed; the floors
+leave out its 16 bytes per token).
 
 Floors. At start: copy_bw = a 1 GiB device copy, bytes read + written / time; link_bw = bytes
 received per rank / time of an all-gather at >= 128 MiB received per rank, the faster of
@@ -61,6 +64,11 @@ def parse_args(argv=None):
     p.add_argument("--D", default="", help="comma-separated hidden sizes (overrides the sweep)")
     p.add_argument("--tp", default="", help="comma-separated tp sizes (default: GPU count, and 2 if more)")
     p.add_argument("--modes", default="eager,graph", help="eager and/or graph (graph needs CUDA)")
+    p.add_argument(
+        "--delayed",
+        action="store_true",
+        help="V4.1 delayed mode: every pre (and its baselines) collapses with a carried-in pre_mix_in",
+    )
     p.add_argument("--compile-D", default="4096", help="D values with torch.compile baselines ('' = none)")
     p.add_argument("--compile-T", default="", help="T values with torch.compile baselines (default: all)")
     p.add_argument(
@@ -106,7 +114,7 @@ def main(argv=None) -> None:
     nprocs = args.nprocs or (ngpu if args.cuda else 2)
     args.name = args.name or (
         "collectives_cpu" if not args.cuda else "collectives_quick" if args.quick else "collectives"
-    )
+    ) + ("_delayed" if args.delayed else "")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     launch(run_worker, nprocs, "nccl" if args.cuda else "gloo", args)
 

@@ -93,7 +93,7 @@ def worker(args) -> None:
             params[D] = cases.make_params(D, device)
             for op in sorted({o for ops in suite_ops.values() for o in ops} - {"sp_all_gather"}):
                 if "all" in args.compile_ops.split(",") or op in args.compile_ops.split(","):
-                    cases.prime_compiled(op, D, params[D], device)
+                    cases.prime_compiled(op, D, params[D], device, args.delayed)
         world_bench.sync()
     for T, D in shapes if "local" in suite_ops else ():
         run("local", T, D, 1, world_bench)
@@ -154,7 +154,8 @@ def _run_shape(args, suite, ops, T, D, tp, bench, group, comm, params, modes, re
     import cases
 
     nsets = sets_for(cases.set_bytes(suite, T, D, tp))
-    inputs = cases.make_inputs(suite, T, D, tp, dist.get_rank(group), nsets, params, bench.device)
+    rank = dist.get_rank(group)
+    inputs = cases.make_inputs(suite, T, D, tp, rank, nsets, params, bench.device, args.delayed)
     ctx = cases.Ctx(suite, T, D, tp, inputs, params, group, comm)
     compile_T, compile_ops = _ints(args.compile_T), args.compile_ops.split(",")
     for op in ops:

@@ -76,6 +76,31 @@ def test_profile_sp_summary():
     assert "cannot split" in profile_sp.summarize(spans[:3], calls=2)[0]
 
 
+@pytest.mark.parametrize("op", ["mhc_pre", "mhc_post_pre"])
+def test_delayed_inputs_reach_every_variant(op):
+    """--delayed: the op and its baselines all collapse with the inputs' pre_mix_in."""
+    from spkernels import reference as ref
+
+    T, D, dev = 6, 64, torch.device("cpu")
+    params = cases.make_params(D, dev)
+    x = cases.make_inputs("local", T, D, 1, 0, 1, params, dev, delayed=True)
+    assert x.pre_mix_in.shape == (T, 4) and bool((x.pre_mix_in > 0).all())
+    ctx = cases.Ctx("local", T, D, 1, x, params)
+    outs = {name: fn(0) for name, fn in cases.variants(op, ctx).items()}
+    if op == "mhc_pre":
+        want = ref.mhc_pre(x.streams[0], *params.pre, x.pre_mix_in)
+        v4 = ref.mhc_pre(x.streams[0], *params.pre)
+    else:
+        post = (x.partials[0], x.streams[0], x.post_mix, x.res_mix)
+        want = ref.mhc_post_pre(*post, *params.pre, x.pre_mix_in)[1:]
+        v4 = ref.mhc_post_pre(*post, *params.pre)[1:]
+        outs = {name: out[1:] for name, out in outs.items()}
+    assert not torch.equal(want[0], v4[0])  # the carried-in weights change layer_input
+    for name, out in outs.items():
+        for got, w in zip(out, want, strict=True):
+            torch.testing.assert_close(got.float(), w.float(), atol=2e-2, rtol=2e-2, msg=f"{name}")
+
+
 def test_ab_table(tmp_path):
     """scripts/ab_table.py: one line per shape in every file, times and ratios to the first file."""
     sys.path.insert(0, str(REPO / "scripts"))
