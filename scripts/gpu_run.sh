@@ -6,7 +6,8 @@
 # part but ab and profile). DEADLINE=<seconds> skips a part once less than its budget is left.
 # ab: the same bench (AB_ARGS, default BENCH_ARGS) on this tree and on each tree under .ab/ (made
 # by scripts/ab_trees.sh, carried along), built in place while this tree builds; ab_<name>.json
-# each, compared by scripts/ab_table.py.
+# each, compared by scripts/ab_table.py. AB_TESTS="<pytest args>": first run those tests on each
+# .ab tree (its own build and tests) and print their summary line, to place a failure in a stack.
 # PROFILE_KERNELS="T:kernel ..." picks the targets of profile's ncu --set full.
 set -uo pipefail
 what=${1:-all}; shift || true
@@ -68,6 +69,10 @@ if want ab && fits 60 ab; then
   for d in "${ab_trees[@]}"; do
     name=$(basename "$d")
     if [[ $(cat "$d/build.rc") != 0 ]]; then echo "ab $name: BUILD FAILED"; tail -20 "$d/build.log"; continue; fi
+    if [[ -n ${AB_TESTS:-} ]] && fits 60 "ab $name tests"; then
+      (cd "$d" && PYTHONPATH=$PWD/python SPK_BARRIER_TIMEOUT=30 timeout 240 python3 -m pytest -q -p no:cacheprovider \
+        $AB_TESTS 2>&1 | tail -1 | sed "s|^|ab $name tests: |")
+    fi
     fits 30 "ab $name" && ab_bench "$PWD/$d" "$name" "$(cat "$d/COMMIT")" && results+=("$OUT/ab_$name.json")
   done
   (( ${#results[@]} )) && python3 scripts/ab_table.py "${results[@]}" | tee "$OUT/ab_table.txt"
