@@ -54,12 +54,13 @@ if want bench && fits 90 bench; then
 fi
 if want ab && fits 60 ab; then
   wait  # the trees' builds
-  ab_args=${AB_ARGS:-${BENCH_ARGS:---quick}}
+  eval "ab_args=(${AB_ARGS:-${BENCH_ARGS:---quick}})"  # shell words: quotes as typed (--compile-D '')
+  eval "ab_tests=(${AB_TESTS:-})"
   ab_bench() {  # tree name commit: that tree's bench on that tree's build (checked) -> ab_<name>.json
     local ok=0
     (cd "$1" && export PYTHONPATH=$PWD/python &&
       python3 -c "import spkernels, sys; sys.exit(not spkernels.__file__.startswith('$PWD/'))" &&
-      timeout $(( $(left) < 300 ? $(left) : 300 )) python3 bench/collectives.py $ab_args --out "$OUT" \
+      timeout $(( $(left) < 300 ? $(left) : 300 )) python3 bench/collectives.py "${ab_args[@]}" --out "$OUT" \
         --name "ab_$2" --commit "$3") > "$OUT/ab_$2.log" 2>&1 || { ok=1; echo "ab $2: FAILED: $(tail -5 "$OUT/ab_$2.log")"; }
     rm -f "$OUT/ab_$2.png" "$OUT/ab_$2.txt" "$OUT/ab_$2.log"
     return $ok
@@ -69,9 +70,9 @@ if want ab && fits 60 ab; then
   for d in "${ab_trees[@]}"; do
     name=$(basename "$d")
     if [[ $(cat "$d/build.rc") != 0 ]]; then echo "ab $name: BUILD FAILED"; tail -20 "$d/build.log"; continue; fi
-    if [[ -n ${AB_TESTS:-} ]] && fits 60 "ab $name tests"; then
+    if (( ${#ab_tests[@]} )) && fits 60 "ab $name tests"; then
       (cd "$d" && PYTHONPATH=$PWD/python SPK_BARRIER_TIMEOUT=30 timeout 240 python3 -m pytest -q -p no:cacheprovider \
-        $AB_TESTS 2>&1 | tail -1 | sed "s|^|ab $name tests: |")
+        "${ab_tests[@]}" 2>&1 | tail -1 | sed "s|^|ab $name tests: |")
     fi
     fits 30 "ab $name" && ab_bench "$PWD/$d" "$name" "$(cat "$d/COMMIT")" && results+=("$OUT/ab_$name.json")
   done
