@@ -120,8 +120,9 @@ def prime_compiled(op: str, D: int, params: Params, device, delayed: bool = Fals
     y = torch.randn((T, D), device=device).to(torch.bfloat16)
     post_mix, res_mix = make_mixes(T, D, params, None, device)
     pmi = make_pre_mix_in(T, None, device) if delayed else None
-    for t in (stream, y, post_mix, res_mix, *([pmi] if delayed else [])):
-        torch._dynamo.maybe_mark_dynamic(t, 0)
+    for t in (stream, y, post_mix, res_mix, pmi):
+        if t is not None:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
     args = {
         ref_pre: (stream, *params.pre, pmi),
         ref_post: (y, stream, post_mix, res_mix),
