@@ -172,19 +172,25 @@ def test_deterministic_across_calls(mhc):
 @pytest.mark.parametrize("D", [4096, 7168])
 def test_rows_do_not_depend_on_T(mhc, D):
     """A row's outputs are bitwise the same whether it comes in a decode batch (pass 1 split over
-    the fn rows) or in a large one (staged fn, several tiles per CTA): SP and TP agree, and so do
-    padded and unpadded batches."""
+    the fn rows, pass 2 a CTA per row) or in a large one (staged fn, several tiles per CTA; pass 2
+    a warp per row): SP and TP agree, and so do padded and unpadded batches."""
     T = 4099
     stream, site, _ = inputs(mhc, T, D)
+    head = to_cuda(mhc.head(D))
     y = mhc.y(T, D).cuda()
     post_mix, res_mix = (t.cuda() for t in mhc.mixes(T))
     pre_args = (site["fn"], site["scale"], site["base"], site["norm_weight"], None)
-    for t in (1, 8, 17, 64):
-        for got, full in zip(ops.mhc_pre(stream[:t], *pre_args), ops.mhc_pre(stream, *pre_args), strict=True):
+    head_args = (head["fn"], head["scale"], head["base"])
+    full_pre = ops.mhc_pre(stream, *pre_args)
+    full_post_pre = ops.mhc_post_pre(y, stream, post_mix, res_mix, *pre_args)
+    full_head = ops.mhc_head(stream, *head_args)
+    for t in (1, 8, 17, 64, 128, 129):
+        for got, full in zip(ops.mhc_pre(stream[:t], *pre_args), full_pre, strict=True):
             assert torch.equal(got, full[:t]), f"mhc_pre T={t}"
         small = ops.mhc_post_pre(y[:t], stream[:t], post_mix[:t], res_mix[:t], *pre_args)
-        for got, full in zip(small, ops.mhc_post_pre(y, stream, post_mix, res_mix, *pre_args), strict=True):
+        for got, full in zip(small, full_post_pre, strict=True):
             assert torch.equal(got, full[:t]), f"mhc_post_pre T={t}"
+        assert torch.equal(ops.mhc_head(stream[:t], *head_args), full_head[:t]), f"mhc_head T={t}"
 
 
 BAD = [

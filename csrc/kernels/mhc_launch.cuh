@@ -49,6 +49,28 @@ inline cudaError_t rows_max_ctas(int hidden, int* out) {
   return per_sm > 0 ? cudaSuccess : cudaErrorInvalidConfiguration;
 }
 
+// Pass 2 of a pre: a CTA per row up to kRowCollapseRows rows (every row's loads in one round;
+// decode), else a warp per row (8 rows per CTA). Both give the same bits (mhc_tile.cuh).
+template <bool kHead, bool kGather>
+inline cudaError_t launch_collapse(const TileArgs& a, cudaStream_t stream) {
+  const int T = a.num_tokens, D = a.hidden, nvec = D / 8;
+  if (T <= kRowCollapseRows) {
+    if (nvec <= kThreads)
+      return launch_dependent(mhc_collapse_row_kernel<kHead, kGather, 1>, T, kThreads, 0, stream, a);
+    if (nvec <= 2 * kThreads)
+      return launch_dependent(mhc_collapse_row_kernel<kHead, kGather, 2>, T, kThreads, 0, stream, a);
+    if (nvec > 4 * kThreads) return cudaErrorInvalidValue;  // D <= 8192: the ops check it first
+    return launch_dependent(mhc_collapse_row_kernel<kHead, kGather, 4>, T, kThreads, 0, stream, a);
+  }
+  const size_t smem = !kHead && a.norm_weight != nullptr ? (size_t)kCollapseRows * D * 2 : 0;
+  const void* kernel = (const void*)mhc_collapse_kernel<kHead, kGather>;
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+      e != cudaSuccess)
+    return e;
+  return launch_dependent(mhc_collapse_kernel<kHead, kGather>, (T + kCollapseRows - 1) / kCollapseRows, kThreads, smem,
+                          stream, a);
+}
+
 // The whole op: pass 1, pass 2 for a pre, and in SP mode the copy-in kernel that completes the
 // all-gather of layer_input that pass 2 pushed (protocol in lsa_gather.cuh). `a.ws` must hold
 // num_tokens * row_slices(hidden) * FnRows<kHead>::kVals floats for a pre. max_ctas <= 0: the
@@ -74,20 +96,15 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   const void* rows = (const void*)mhc_rows_kernel<kSrc, kPost, kPre, kHead>;
   const size_t smem = rows_smem_bytes<kSrc, kPost, kPre, kHead>(D);
   if ((e = cudaFuncSetAttribute(rows, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) != cudaSuccess) return e;
-  const int collapse_ctas = (T + kCollapseRows - 1) / kCollapseRows;
-  const size_t collapse_smem = kPre && !kHead && a.norm_weight != nullptr ? (size_t)kCollapseRows * D * 2 : 0;
   if (debug_enabled())
-    std::fprintf(stderr,
-                 "spkernels: rows kernel T=%d D=%d slices=%d groups=%d parts=%d smem=%zu; collapse %d CTAs smem=%zu\n",
-                 T, D, a.slices, a.groups, a.parts, smem, kPre ? collapse_ctas : 0, collapse_smem);
+    std::fprintf(stderr, "spkernels: rows kernel T=%d D=%d slices=%d groups=%d parts=%d smem=%zu; collapse: %s\n", T, D,
+                 a.slices, a.groups, a.parts, smem,
+                 !kPre                   ? "none"
+                 : T <= kRowCollapseRows ? "a CTA per row"
+                                         : "a warp per row");
   mhc_rows_kernel<kSrc, kPost, kPre, kHead><<<a.slices * a.groups * a.parts, kThreads, smem, stream>>>(a);
   if ((e = cudaGetLastError()) != cudaSuccess || !kPre) return e;
-  const void* collapse = (const void*)mhc_collapse_kernel<kHead, kGather>;
-  if ((e = cudaFuncSetAttribute(collapse, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)collapse_smem)) !=
-      cudaSuccess)
-    return e;
-  e = launch_dependent(mhc_collapse_kernel<kHead, kGather>, collapse_ctas, kThreads, collapse_smem, stream, a);
-  if (e != cudaSuccess || !kGather) return e;
+  if ((e = launch_collapse<kHead, kGather>(a, stream)) != cudaSuccess || !kGather) return e;
   const size_t bytes = (size_t)T * D * 2;  // one rank's block: T_local rows
   return launch_dependent(lsa_copy_in_kernel, lsa_all_gather_grid(bytes, max_ctas), kGatherThreads, 0, stream,
                           a.lsa.window, a.lsa.gather_offset, bytes, a.lsa.rank, a.lsa.world, a.lsa.barrier,

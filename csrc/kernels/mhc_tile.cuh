@@ -11,12 +11,13 @@
 //       (and NVLink) speed. At decode sizes (tiles x slices x 3 fit in one wave) CTA (g, s, p)
 //       computes only fn rows 8p..8p+7 (a = 3 parts): three times the CTAs, each loading a third
 //       of fn, with every sum bitwise unchanged (each row's mma chain is the same).
-// 2. mhc_collapse_kernel (pres only). A CTA takes 8 rows: sums each row's S partials in slice
-//    order, computes the coefficients (sigmoids, Sinkhorn; one quad of lanes per row), then one
-//    warp per row collapses the stream (+ fused RMSNorm) and writes layer_input; in SP mode it
-//    also stores each row straight into every peer's gather region (NVLink pushes overlapping the
-//    pass's HBM work), and lsa_copy_in_kernel moves the peers' rows into layer_input (protocol in
-//    lsa_gather.cuh). Pass 2 is a programmatic dependent launch of pass 1 (pdl.cuh).
+// 2. mhc_collapse_kernel / mhc_collapse_row_kernel (pres only; 8 rows per CTA and a warp per row,
+//    or at decode sizes a CTA per row): sums each row's S partials in slice order, computes the
+//    coefficients (sigmoids, Sinkhorn; one quad of lanes per row), collapses the stream
+//    (+ fused RMSNorm) and writes layer_input; in SP mode it also stores each row straight into
+//    every peer's gather region (NVLink pushes overlapping the pass's HBM work), and
+//    lsa_copy_in_kernel moves the peers' rows into layer_input (protocol in lsa_gather.cuh).
+//    Pass 2 is a programmatic dependent launch of pass 1 (pdl.cuh).
 // Every summation has a fixed order: replicated ranks compute bitwise-identical results, and a
 // row's result does not depend on T (SP rows equal TP rows).
 #include <nccl.h>
@@ -78,6 +79,7 @@ constexpr int kSliceVecs = 32;         // 16-byte vectors per stream in a slice:
 constexpr int kCollapseRows = kWarps;  // pass 2: one warp per row
 constexpr int kWsBatch = 16;           // pass 2: workspace partials loaded at once per value
 constexpr int kCollapseBatch = 4;      // pass 2: 16-byte vectors per lane and stream loaded at once
+constexpr int kRowCollapseRows = 128;  // pass 2: a CTA per row up to this many rows (~1 per SM)
 
 __host__ __device__ inline int row_slices(int hidden) { return (hidden / 8 + kSliceVecs - 1) / kSliceVecs; }
 
@@ -369,20 +371,70 @@ __global__ void __launch_bounds__(kThreads, 2) mhc_rows_kernel(const __grid_cons
   }
 }
 
-// Pass 2: coefficients and collapse of rows [8 * blockIdx.x, +8). Dynamic shared memory: the
-// rows' bf16 collapse between the two halves of the fused RMSNorm (8 * D * 2 bytes), else none.
-// A programmatic dependent launch of pass 1 (pdl.cuh's rule: pdl_wait() comes first).
-template <bool kHead, bool kGather>
-__global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_constant__ TileArgs a) {
+// ---- Pass 2 (pres): coefficients, then the collapse of the stream (+ fused RMSNorm) into
+// layer_input. Two kernels with bitwise-identical rows: mhc_collapse_kernel (8 rows per CTA, a
+// warp per row; large T) and mhc_collapse_row_kernel (a CTA per row, every load of the row in one
+// round; decode sizes, where the warp-per-row kernel runs ~4 serial load rounds on few CTAs).
+// Rounding and summation orders shared by both: y = fma chain over the streams in stream order,
+// rounded to bf16; a vector's 8 squares summed by fma in element order; vector v's sum added to
+// lane (v % 32)'s partial in increasing v; the 32 partials by the xor butterfly.
+
+// Coefficients of rows [row0, row0 + n), 1 <= n <= 8: each row's S partials summed in slice
+// order into s_m, then sigmoids / Sinkhorn on a quad of lanes per row into s_coef (pres also
+// write pre_mix, post_mix, res_mix). Warp 0 runs the quads in full (the shuffles name the whole
+// warp): rows n..7 are zeros and write nothing. Every thread calls it; it ends with a CTA barrier.
+template <bool kHead>
+__device__ __forceinline__ void collapse_coefficients(const TileArgs& a, int row0, int n,
+                                                      float (*s_m)[FnRows<kHead>::kVals], float (*s_coef)[kMix]) {
   constexpr int kRows = FnRows<kHead>::kRows;
   constexpr int kVals = FnRows<kHead>::kVals;
-  extern __shared__ __align__(16) uint4 s_y[];
-  __shared__ float s_m[kCollapseRows][kVals];
-  __shared__ float s_coef[kCollapseRows][kMix];  // pre | post | res, or the head weights
   __shared__ float s_scale[3], s_base[kMix];
-  // Pass 1 complete and its writes (ws, new_stream, barrier epochs) visible; in SP mode also: the
-  // peers' previous copy-in kernels have completed, so the pushes below are safe ((B) in
-  // lsa_gather.cuh).
+  const int tid = threadIdx.x, T = a.num_tokens, S = a.slices;
+  if (tid < FnRows<kHead>::kValid) s_base[tid] = a.base[tid];
+  if (tid < (kHead ? 1 : 3)) s_scale[tid] = a.scale[tid];
+  for (int idx = tid; idx < kCollapseRows * kVals; idx += kThreads) {
+    const int r = idx / kVals, k = idx % kVals, row = row0 + r;
+    float v = 0.f;
+    if (r < n && row < T) {
+      // kWsBatch loads in flight, then the adds in slice order (a rolled loop would wait out one
+      // round trip per slice).
+      const float* p = a.ws + (size_t)row * S * kVals + k;
+      for (int s0 = 0; s0 < S; s0 += kWsBatch) {
+        float part[kWsBatch];
+#pragma unroll
+        for (int q = 0; q < kWsBatch; ++q) part[q] = s0 + q < S ? p[(s0 + q) * kVals] : 0.f;
+#pragma unroll
+        for (int q = 0; q < kWsBatch; ++q)
+          if (s0 + q < S) v += part[q];
+      }
+    }
+    s_m[r][k] = v;
+  }
+  __syncthreads();
+  static_assert(kCollapseRows * kHC == 32, "one warp of quads");
+  if (tid < kCollapseRows * kHC) {  // a quad of lanes per row
+    const int r = tid >> 2, i = tid & 3, row = row0 + r;
+    const float rr = 1.0f / sqrtf(s_m[r][kRows] / (float)(kHC * a.hidden) + a.eps.rms_eps);
+    if constexpr (kHead) {
+      s_coef[r][i] = sigmoidf(s_m[r][i] * rr * s_scale[0] + s_base[i]) + a.eps.hc_eps;
+    } else {
+      mhc_coefficients_quad(s_m[r], rr, s_scale, s_base, a.eps, i, s_coef[r]);
+      if (r < n && row < T) {
+        a.pre_mix[row * kHC + i] = s_coef[r][i];
+        a.post_mix[row * kHC + i] = s_coef[r][kHC + i];
+#pragma unroll
+        for (int j = 0; j < kHC; ++j) a.res_mix[(row * kHC + i) * kHC + j] = s_coef[r][2 * kHC + i * kHC + j];
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// Pass 2's prologue, shared by both kernels. pdl_wait(): pass 1 complete and its writes (ws,
+// new_stream, barrier epochs) visible; in SP mode also the peers' previous copy-in kernels have
+// completed, so the pushes are safe ((B) in lsa_gather.cuh).
+template <bool kGather>
+__device__ __forceinline__ void collapse_prologue(const TileArgs& a) {
   pdl_wait();
   // In SP mode the next kernel is our copy-in kernel, which waits for this grid's completion.
   if constexpr (kGather) pdl_launch_dependents();
@@ -392,79 +444,107 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
     LsaBarrier bar(a.lsa.window, a.lsa.rank, a.lsa.world, a.lsa.barrier, 0);
     bar.sync(BarrierSite::kExit);
   }
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int D = a.hidden, nvec = D >> 3, T = a.num_tokens, S = a.slices;
-  const int row0 = blockIdx.x * kCollapseRows;
-  if (tid < FnRows<kHead>::kValid) s_base[tid] = a.base[tid];
-  if (tid < (kHead ? 1 : 3)) s_scale[tid] = a.scale[tid];
-  for (int idx = tid; idx < kCollapseRows * kVals; idx += kThreads) {
-    const int r = idx / kVals, n = idx % kVals, row = row0 + r;
-    float v = 0.f;
-    if (row < T) {
-      // kWsBatch loads in flight, then the adds in slice order (a rolled loop would wait out one
-      // round trip per slice).
-      const float* p = a.ws + (size_t)row * S * kVals + n;
-      for (int s0 = 0; s0 < S; s0 += kWsBatch) {
-        float part[kWsBatch];
-#pragma unroll
-        for (int k = 0; k < kWsBatch; ++k) part[k] = s0 + k < S ? p[(s0 + k) * kVals] : 0.f;
-#pragma unroll
-        for (int k = 0; k < kWsBatch; ++k)
-          if (s0 + k < S) v += part[k];
-      }
-    }
-    s_m[r][n] = v;
-  }
-  __syncthreads();
-  if (tid < kCollapseRows * kHC) {  // a quad of lanes per row
-    const int r = tid >> 2, i = tid & 3, row = row0 + r;
-    const float rr = 1.0f / sqrtf(s_m[r][kRows] / (float)(kHC * D) + a.eps.rms_eps);
-    if constexpr (kHead) {
-      s_coef[r][i] = sigmoidf(s_m[r][i] * rr * s_scale[0] + s_base[i]) + a.eps.hc_eps;
-    } else {
-      mhc_coefficients_quad(s_m[r], rr, s_scale, s_base, a.eps, i, s_coef[r]);
-      if (row < T) {
-        a.pre_mix[row * kHC + i] = s_coef[r][i];
-        a.post_mix[row * kHC + i] = s_coef[r][kHC + i];
-#pragma unroll
-        for (int j = 0; j < kHC; ++j) a.res_mix[(row * kHC + i) * kHC + j] = s_coef[r][2 * kHC + i * kHC + j];
-      }
-    }
-  }
-  __syncthreads();
+}
 
-  // ---- one warp per row: collapse with pre (or the carried-in pre_mix_in), fused RMSNorm.
-  const int row = row0 + warp;
-  if (row >= T) return;  // no CTA-wide synchronisation below
-  float w[kHC];
+// Where a collapsed row goes: layer_input and, in SP mode, the same row of every peer's gather
+// region (its layer_input layout), where the peer's copy-in kernel finds it. Plain (weak) remote
+// stores: the copy-in barrier publishes them after this kernel completes ((A) in lsa_gather.cuh).
+// Unrolled over kMaxPeers, so the pointers stay in registers.
+template <bool kGather>
+struct RowOut {
+  uint4* out;
+  uint4* peer_out[kMaxPeers - 1];
+  int peers;
+  __device__ __forceinline__ RowOut(const TileArgs& a, int row) {
+    const size_t orow = kGather ? (size_t)a.lsa.rank * a.num_tokens + row : (size_t)row;
+    out = reinterpret_cast<uint4*>(a.layer_input + orow * a.hidden);
+    peers = kGather ? a.lsa.world - 1 : 0;
+    if constexpr (kGather) {
+      const size_t off = a.lsa.gather_offset + orow * a.hidden * sizeof(__nv_bfloat16);
 #pragma unroll
-  for (int i = 0; i < kHC; ++i)
-    w[i] = (!kHead && a.pre_mix_in != nullptr) ? a.pre_mix_in[row * kHC + i] : s_coef[warp][i];
-  const __nv_bfloat16* src = (a.new_stream != nullptr ? a.new_stream : a.stream) + (size_t)row * kHC * D;
-  const size_t orow = kGather ? (size_t)a.lsa.rank * T + row : (size_t)row;
-  __nv_bfloat16* out = a.layer_input + orow * D;
-  // SP: the same row of every peer's gather region (its layer_input layout), where the peer's
-  // copy-in kernel finds it. Plain (weak) remote stores: the copy-in barrier publishes them after
-  // this kernel completes ((A) in lsa_gather.cuh). Unrolled over kMaxPeers, so the pointers stay
-  // in registers.
-  __nv_bfloat16* peer_out[kMaxPeers - 1];
-  if constexpr (kGather) {
-    const size_t off = a.lsa.gather_offset + orow * D * sizeof(__nv_bfloat16);
-#pragma unroll
-    for (int k = 0; k < kMaxPeers - 1; ++k)
-      peer_out[k] =
-          k < a.lsa.world - 1
-              ? static_cast<__nv_bfloat16*>(ncclGetLsaPointer(a.lsa.window, off, k + (k >= a.lsa.rank ? 1 : 0)))
-              : nullptr;
+      for (int k = 0; k < kMaxPeers - 1; ++k)
+        peer_out[k] = k < peers
+                          ? static_cast<uint4*>(ncclGetLsaPointer(a.lsa.window, off, k + (k >= a.lsa.rank ? 1 : 0)))
+                          : nullptr;
+    }
   }
-  auto store = [&](int v, const uint4& o) {
-    reinterpret_cast<uint4*>(out)[v] = o;
+  __device__ __forceinline__ void store(int v, const uint4& o) const {
+    out[v] = o;
     if constexpr (kGather) {
 #pragma unroll
       for (int k = 0; k < kMaxPeers - 1; ++k)
-        if (k < a.lsa.world - 1) reinterpret_cast<uint4*>(peer_out[k])[v] = o;
+        if (k < peers) peer_out[k][v] = o;
     }
-  };
+  }
+};
+
+// The collapse weights of `row`: its pre coefficients, or the carried-in pre_mix_in (V4.1).
+template <bool kHead>
+__device__ __forceinline__ void collapse_weights(const TileArgs& a, int row, const float* coef, float (&w)[kHC]) {
+#pragma unroll
+  for (int i = 0; i < kHC; ++i) w[i] = (!kHead && a.pre_mix_in != nullptr) ? a.pre_mix_in[row * kHC + i] : coef[i];
+}
+
+// y = sum_i w_i x_i over one 16-byte vector of each stream, rounded to bf16 (SPEC.md's rounding
+// point); with `norm`, sq = the sum of its bf16 values' squares. Explicit fmas: both kernels
+// must get the same bits whatever the compiler contracts.
+__device__ __forceinline__ uint4 collapse_vec(const float (&w)[kHC], const uint4 (&x)[kHC], bool norm, float& sq) {
+  float y[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < kHC; ++i) {
+    float f[8];
+    bf16x8_to_float(x[i], f);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) y[e] = __fmaf_rn(w[i], f[e], y[e]);
+  }
+  const uint4 yb = float_to_bf16x8(y);
+  sq = 0.f;
+  if (norm) {
+    bf16x8_to_float(yb, y);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sq = __fmaf_rn(y[e], y[e], sq);
+  }
+  return yb;
+}
+
+// The fused RMSNorm's scale from the 32 lane partials (every lane gets the same bits).
+__device__ __forceinline__ float norm_rn(float ss, int D, float eps) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  return 1.0f / sqrtf(ss / (float)D + eps);
+}
+
+// y * rn * weight over one vector, rounded to bf16.
+__device__ __forceinline__ uint4 norm_vec(const uint4& yb, const uint4& nwb, float rn) {
+  float y[8], nw[8];
+  bf16x8_to_float(yb, y);
+  bf16x8_to_float(nwb, nw);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) y[e] = y[e] * rn * nw[e];
+  return float_to_bf16x8(y);
+}
+
+// Rows [8 * blockIdx.x, +8), a warp per row. Dynamic shared memory: the rows' bf16 collapse
+// between the two halves of the fused RMSNorm (8 * D * 2 bytes), else none. A programmatic
+// dependent launch of pass 1 (pdl.cuh's rule: pdl_wait() comes first).
+template <bool kHead, bool kGather>
+__global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_constant__ TileArgs a) {
+  extern __shared__ __align__(16) uint4 s_y[];
+  __shared__ float s_m[kCollapseRows][FnRows<kHead>::kVals];
+  __shared__ float s_coef[kCollapseRows][kMix];  // pre | post | res, or the head weights
+  collapse_prologue<kGather>(a);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int D = a.hidden, nvec = D >> 3, T = a.num_tokens;
+  const int row0 = blockIdx.x * kCollapseRows;
+  collapse_coefficients<kHead>(a, row0, kCollapseRows, s_m, s_coef);
+
+  const int row = row0 + warp;
+  if (row >= T) return;  // no CTA-wide synchronisation below
+  float w[kHC];
+  collapse_weights<kHead>(a, row, s_coef[warp], w);
+  const uint4* src =
+      reinterpret_cast<const uint4*>((a.new_stream != nullptr ? a.new_stream : a.stream) + (size_t)row * kHC * D);
+  const RowOut<kGather> dst(a, row);
   const bool norm = !kHead && a.norm_weight != nullptr;
   float ss = 0.f;
   // kCollapseBatch vectors of every stream loaded before any store: the compiler cannot move a
@@ -476,52 +556,92 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
     for (int u = 0; u < kCollapseBatch; ++u)
 #pragma unroll
       for (int i = 0; i < kHC; ++i)
-        if (v0 + 32 * u < nvec) xv[u][i] = reinterpret_cast<const uint4*>(src + (size_t)i * D)[v0 + 32 * u];
+        if (v0 + 32 * u < nvec) xv[u][i] = src[(size_t)i * nvec + v0 + 32 * u];
 #pragma unroll
     for (int u = 0; u < kCollapseBatch; ++u) {
       const int v = v0 + 32 * u;
       if (v >= nvec) break;
-      float y[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int i = 0; i < kHC; ++i) {
-        float f[8];
-        bf16x8_to_float(xv[u][i], f);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) y[e] += w[i] * f[e];
-      }
-      const uint4 yb = float_to_bf16x8(y);
+      float sq;
+      const uint4 yb = collapse_vec(w, xv[u], norm, sq);
       if (norm) {
-        bf16x8_to_float(yb, y);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) ss += y[e] * y[e];
+        ss += sq;
         s_y[warp * nvec + v] = yb;
       } else {
-        store(v, yb);
+        dst.store(v, yb);
       }
     }
   }
-  if constexpr (!kHead) {  // the head has no norm
-    if (!norm) return;
+  if (!norm) return;
+  const float rn = norm_rn(ss, D, a.eps.norm_eps);
+  for (int v0 = lane; v0 < nvec; v0 += 32 * kCollapseBatch) {
+    uint4 nwv[kCollapseBatch];  // the same: every load of the batch before its stores
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);  // same bits in every lane
-    const float rn = 1.0f / sqrtf(ss / (float)D + a.eps.norm_eps);
-    for (int v0 = lane; v0 < nvec; v0 += 32 * kCollapseBatch) {
-      uint4 nwv[kCollapseBatch];  // the same: every load of the batch before its stores
+    for (int u = 0; u < kCollapseBatch; ++u)
+      if (v0 + 32 * u < nvec) nwv[u] = __ldg(reinterpret_cast<const uint4*>(a.norm_weight) + v0 + 32 * u);
 #pragma unroll
-      for (int u = 0; u < kCollapseBatch; ++u)
-        if (v0 + 32 * u < nvec) nwv[u] = __ldg(reinterpret_cast<const uint4*>(a.norm_weight) + v0 + 32 * u);
-#pragma unroll
-      for (int u = 0; u < kCollapseBatch; ++u) {
-        const int v = v0 + 32 * u;
-        if (v >= nvec) break;
-        float y[8], nw[8];
-        bf16x8_to_float(s_y[warp * nvec + v], y);
-        bf16x8_to_float(nwv[u], nw);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) y[e] = y[e] * rn * nw[e];
-        store(v, float_to_bf16x8(y));
-      }
+    for (int u = 0; u < kCollapseBatch; ++u) {
+      const int v = v0 + 32 * u;
+      if (v >= nvec) break;
+      dst.store(v, norm_vec(s_y[warp * nvec + v], nwv[u], rn));
     }
+  }
+}
+
+// Row blockIdx.x, a CTA per row: thread t owns vectors t + 256 m (m < kV, kV * 256 >= D / 8) and
+// issues every load (the streams, the norm weight) before the coefficients are known, so one
+// memory round trip overlaps the partials' sum and the Sinkhorn. The norm's sum goes through
+// shared memory in the warp kernel's order.
+template <bool kHead, bool kGather, int kV>
+__global__ void __launch_bounds__(kThreads) mhc_collapse_row_kernel(const __grid_constant__ TileArgs a) {
+  __shared__ float s_m[kCollapseRows][FnRows<kHead>::kVals];
+  __shared__ float s_coef[kCollapseRows][kMix];
+  __shared__ float s_sq[kV * kThreads];  // per-vector sums of squares
+  __shared__ float s_rn;
+  collapse_prologue<kGather>(a);
+  const int tid = threadIdx.x, D = a.hidden, nvec = D >> 3, row = blockIdx.x;
+  const uint4* src =
+      reinterpret_cast<const uint4*>((a.new_stream != nullptr ? a.new_stream : a.stream) + (size_t)row * kHC * D);
+  const bool norm = !kHead && a.norm_weight != nullptr;
+  uint4 x[kV][kHC], nw[kV];
+#pragma unroll
+  for (int m = 0; m < kV; ++m) {
+    const int v = tid + kThreads * m;
+    if (v < nvec) {
+#pragma unroll
+      for (int i = 0; i < kHC; ++i) x[m][i] = src[(size_t)i * nvec + v];
+      if (norm) nw[m] = __ldg(reinterpret_cast<const uint4*>(a.norm_weight) + v);
+    }
+  }
+  collapse_coefficients<kHead>(a, row, 1, s_m, s_coef);
+  float w[kHC];
+  collapse_weights<kHead>(a, row, s_coef[0], w);
+  uint4 y[kV];
+#pragma unroll
+  for (int m = 0; m < kV; ++m) {
+    const int v = tid + kThreads * m;
+    if (v < nvec) {
+      float sq;
+      y[m] = collapse_vec(w, x[m], norm, sq);
+      if (norm) s_sq[v] = sq;
+    }
+  }
+  float rn = 1.f;
+  if (norm) {  // CTA-uniform
+    __syncthreads();
+    if (tid < 32) {
+      float ss = 0.f;
+      for (int v = tid; v < nvec; v += 32) ss += s_sq[v];
+      rn = norm_rn(ss, D, a.eps.norm_eps);
+      if (tid == 0) s_rn = rn;
+    }
+    __syncthreads();
+    rn = s_rn;
+  }
+  const RowOut<kGather> dst(a, row);
+#pragma unroll
+  for (int m = 0; m < kV; ++m) {
+    const int v = tid + kThreads * m;
+    if (v < nvec) dst.store(v, norm ? norm_vec(y[m], nw[m], rn) : y[m]);
   }
 }
 
