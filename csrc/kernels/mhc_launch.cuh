@@ -50,25 +50,27 @@ inline cudaError_t rows_max_ctas(int hidden, int* out) {
 }
 
 // Pass 2 of a pre: a CTA per row up to kRowCollapseRows rows (every row's loads in one round;
-// decode), else a warp per row (8 rows per CTA). Both give the same bits (mhc_tile.cuh).
+// decode), else a warp per row (8 rows per CTA). Both give the same bits (mhc_tile.cuh). With
+// a.exit_barrier (TP) one more CTA than the rows need: it does the exit barrier alone.
 template <bool kHead, bool kGather>
 inline cudaError_t launch_collapse(const TileArgs& a, cudaStream_t stream) {
-  const int T = a.num_tokens, D = a.hidden, nvec = D / 8;
+  const int T = a.num_tokens, D = a.hidden, nvec = D / 8, extra = a.exit_barrier ? 1 : 0;
   if (T <= kRowCollapseRows) {
+    const int grid = T + extra;
     if (nvec <= kThreads)
-      return launch_dependent(mhc_collapse_row_kernel<kHead, kGather, 1>, T, kThreads, 0, stream, a);
+      return launch_dependent(mhc_collapse_row_kernel<kHead, kGather, 1>, grid, kThreads, 0, stream, a);
     if (nvec <= 2 * kThreads)
-      return launch_dependent(mhc_collapse_row_kernel<kHead, kGather, 2>, T, kThreads, 0, stream, a);
+      return launch_dependent(mhc_collapse_row_kernel<kHead, kGather, 2>, grid, kThreads, 0, stream, a);
     if (nvec > 4 * kThreads) return cudaErrorInvalidValue;  // D <= 8192: the ops check it first
-    return launch_dependent(mhc_collapse_row_kernel<kHead, kGather, 4>, T, kThreads, 0, stream, a);
+    return launch_dependent(mhc_collapse_row_kernel<kHead, kGather, 4>, grid, kThreads, 0, stream, a);
   }
   const size_t smem = !kHead && a.norm_weight != nullptr ? (size_t)kCollapseRows * D * 2 : 0;
   const void* kernel = (const void*)mhc_collapse_kernel<kHead, kGather>;
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
       e != cudaSuccess)
     return e;
-  return launch_dependent(mhc_collapse_kernel<kHead, kGather>, (T + kCollapseRows - 1) / kCollapseRows, kThreads, smem,
-                          stream, a);
+  return launch_dependent(mhc_collapse_kernel<kHead, kGather>, (T + kCollapseRows - 1) / kCollapseRows + extra,
+                          kThreads, smem, stream, a);
 }
 
 // The whole op: pass 1, pass 2 for a pre, and in SP mode the copy-in kernel that completes the
@@ -78,7 +80,8 @@ inline cudaError_t launch_collapse(const TileArgs& a, cudaStream_t stream) {
 //
 // Launches: pass 1 plain (stream-ordered; its barriers need that), pass 2 and the copy-in kernel
 // as programmatic dependents of the kernel before them (pdl.cuh). Barriers: pass 1 uses indices
-// [0, slices * groups * parts) <= max_ctas, pass 2 index 0, the copy-in kernel [0, grid) <= max_ctas.
+// [0, slices * groups * parts) <= max_ctas, pass 2 index 0 (its last CTA), the copy-in kernel
+// [0, grid) <= max_ctas.
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kGather>
 inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   const int T = a.num_tokens, D = a.hidden;

@@ -62,7 +62,7 @@ struct TileArgs {
   int slices;                  // S: column slices of D, a function of D only
   int groups;                  // G: CTAs per slice in pass 1
   int parts;                   // pass 1 CTAs per (tile, slice): 1, or one per 8 fn rows at decode sizes
-  bool exit_barrier;           // pass 2: CTA 0 syncs with the peers' CTA 0 (peers done reading partials)
+  bool exit_barrier;           // pass 2: an extra last CTA syncs with the peers' (peers done reading partials)
   bool push_barrier;           // pass 1 without an entry barrier: CTA 0 syncs before pass 2 pushes (SP)
   LsaArgs lsa;
 };
@@ -430,20 +430,23 @@ __device__ __forceinline__ void collapse_coefficients(const TileArgs& a, int row
   __syncthreads();
 }
 
-// Pass 2's prologue, shared by both kernels. pdl_wait(): pass 1 complete and its writes (ws,
-// new_stream, barrier epochs) visible; in SP mode also the peers' previous copy-in kernels have
-// completed, so the pushes are safe ((B) in lsa_gather.cuh).
+// Pass 2's prologue, shared by both kernels; false: this CTA is done. pdl_wait(): pass 1 complete
+// and its writes (ws, new_stream, barrier epochs) visible; in SP mode also the peers' previous
+// copy-in kernels have completed, so the pushes are safe ((B) in lsa_gather.cuh). TP boundary: the
+// grid's extra last CTA does the exit barrier alone (every peer has finished pass 1, so nobody
+// reads this rank's partial any more), so no row waits for the peers. After pdl_wait(): the peer's
+// pass 2 arriving there implies its pass 1 completed (pdl.cuh).
 template <bool kGather>
-__device__ __forceinline__ void collapse_prologue(const TileArgs& a) {
+__device__ __forceinline__ bool collapse_prologue(const TileArgs& a) {
   pdl_wait();
   // In SP mode the next kernel is our copy-in kernel, which waits for this grid's completion.
   if constexpr (kGather) pdl_launch_dependents();
-  if (a.exit_barrier && blockIdx.x == 0) {
-    // TP boundary: every peer has finished pass 1, so nobody reads this rank's partial any more.
-    // After pdl_wait(): the peer's pass 2 arriving here implies its pass 1 completed (pdl.cuh).
+  if (a.exit_barrier && blockIdx.x == gridDim.x - 1) {  // CTA-uniform
     LsaBarrier bar(a.lsa.window, a.lsa.rank, a.lsa.world, a.lsa.barrier, 0);
     bar.sync(BarrierSite::kExit);
+    return false;
   }
+  return true;
 }
 
 // Where a collapsed row goes: layer_input and, in SP mode, the same row of every peer's gather
@@ -532,7 +535,7 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
   extern __shared__ __align__(16) uint4 s_y[];
   __shared__ float s_m[kCollapseRows][FnRows<kHead>::kVals];
   __shared__ float s_coef[kCollapseRows][kMix];  // pre | post | res, or the head weights
-  collapse_prologue<kGather>(a);
+  if (!collapse_prologue<kGather>(a)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int D = a.hidden, nvec = D >> 3, T = a.num_tokens;
   const int row0 = blockIdx.x * kCollapseRows;
@@ -597,7 +600,7 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_row_kernel(const __grid
   __shared__ float s_coef[kCollapseRows][kMix];
   __shared__ float s_sq[kV * kThreads];  // per-vector sums of squares
   __shared__ float s_rn;
-  collapse_prologue<kGather>(a);
+  if (!collapse_prologue<kGather>(a)) return;
   const int tid = threadIdx.x, D = a.hidden, nvec = D >> 3, row = blockIdx.x;
   const uint4* src =
       reinterpret_cast<const uint4*>((a.new_stream != nullptr ? a.new_stream : a.stream) + (size_t)row * kHC * D);
