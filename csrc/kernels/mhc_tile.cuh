@@ -538,28 +538,31 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
   if (!collapse_prologue<kGather>(a)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int D = a.hidden, nvec = D >> 3, T = a.num_tokens;
-  const int row0 = blockIdx.x * kCollapseRows;
-  collapse_coefficients<kHead>(a, row0, kCollapseRows, s_m, s_coef);
-
-  const int row = row0 + warp;
-  if (row >= T) return;  // no CTA-wide synchronisation below
-  float w[kHC];
-  collapse_weights<kHead>(a, row, s_coef[warp], w);
+  const int row0 = blockIdx.x * kCollapseRows, row = row0 + warp;
   const uint4* src =
       reinterpret_cast<const uint4*>((a.new_stream != nullptr ? a.new_stream : a.stream) + (size_t)row * kHC * D);
-  const RowOut<kGather> dst(a, row);
-  const bool norm = !kHead && a.norm_weight != nullptr;
-  float ss = 0.f;
   // kCollapseBatch vectors of every stream loaded before any store: the compiler cannot move a
   // load above a store that may alias it, so a plain loop waits out one memory round trip per
-  // 32 vectors (at T = 8 under ncu: the head's pass 2 14.0 -> 7.6 us with the batch).
-  for (int v0 = lane; v0 < nvec; v0 += 32 * kCollapseBatch) {
-    uint4 xv[kCollapseBatch][kHC];
+  // 32 vectors (at T = 8 under ncu: the head's pass 2 14.0 -> 7.6 us with the batch). The first
+  // batch is loaded before the coefficients, which do not need it: the two latencies overlap.
+  uint4 xv[kCollapseBatch][kHC];
+  auto load_batch = [&](int v0) {
 #pragma unroll
     for (int u = 0; u < kCollapseBatch; ++u)
 #pragma unroll
       for (int i = 0; i < kHC; ++i)
         if (v0 + 32 * u < nvec) xv[u][i] = src[(size_t)i * nvec + v0 + 32 * u];
+  };
+  if (row < T) load_batch(lane);
+  collapse_coefficients<kHead>(a, row0, kCollapseRows, s_m, s_coef);
+  if (row >= T) return;  // no CTA-wide synchronisation below
+  float w[kHC];
+  collapse_weights<kHead>(a, row, s_coef[warp], w);
+  const RowOut<kGather> dst(a, row);
+  const bool norm = !kHead && a.norm_weight != nullptr;
+  float ss = 0.f;
+  for (int v0 = lane; v0 < nvec; v0 += 32 * kCollapseBatch) {
+    if (v0 != lane) load_batch(v0);
 #pragma unroll
     for (int u = 0; u < kCollapseBatch; ++u) {
       const int v = v0 + 32 * u;
