@@ -197,6 +197,17 @@ def test_profile_categories(name, label):
     assert profile_mod.category(name) == label
 
 
+def test_profile_keeps_only_what_runs_after_the_sync():
+    """The tracer's start and the ranks' meeting (sync) are not recorded: a wait there must not
+    count as the model's time; what runs inside the context is."""
+    a = torch.randn(64, 64)
+    with profile_mod.Profiler(torch.device("cpu"), sync=lambda: torch.mm(a, a)) as prof:
+        torch.add(a, a)
+    totals = prof.totals()
+    assert totals["GEMM"] == 0.0, totals
+    assert totals["other"] > 0.0, totals
+
+
 def test_schedule_decode_first_within_budget():
     requests = [Request(0, [5] * 4, 2), Request(1, [6] * 10, 2), Request(2, [7] * 3, 2)]
     requests[0].num_computed, requests[0].generated = 4, [9]  # decoding

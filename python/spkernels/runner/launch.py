@@ -191,6 +191,14 @@ def _peak_memory(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def _sync_ranks() -> None:
+    """Every rank's device drained, then the ranks meet (a no-op in one process)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def _generate(
     model,
     plan_: Plan,
@@ -219,7 +227,7 @@ def _generate(
     engine.steps.clear()
     engine.forwards.clear()
     progress = ProgressBar(len(plan_.prompts) * opts.gen) if log else None
-    profiler = Profiler(model.device) if profile else contextlib.nullcontext()
+    profiler = Profiler(model.device, sync=_sync_ranks) if profile else contextlib.nullcontext()
     with profiler:
         requests = engine.generate(plan_.prompts, opts.gen, progress)
     if progress:

@@ -50,17 +50,30 @@ def format_breakdown(totals: dict[str, float], device_type: str) -> str:
 
 
 class Profiler:
-    """A context manager around the measured generation; ``totals()`` afterwards."""
+    """A context manager around the measured generation; ``totals()`` afterwards.
 
-    def __init__(self, device: torch.device):
+    Starting the tracer takes a rank a while (CUPTI's first start: up to seconds), and not every
+    rank the same while: a fused kernel launched by a rank that started early waits in its barrier
+    for the late peer, and that wait would count as mHC kernel time (2.7 s of a 48 ms prefill on
+    2 H200s). So the tracer starts in the schedule's warm-up (traced, then dropped), the ranks
+    meet in ``sync`` (a barrier of the world group, with their devices drained), and only then
+    does recording begin.
+    """
+
+    def __init__(self, device: torch.device, sync=None):
         self.device_type = device.type
+        self.sync = sync
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.prof = torch.profiler.profile(activities=activities)
+        schedule = torch.profiler.schedule(wait=0, warmup=1, active=1)
+        self.prof = torch.profiler.profile(activities=activities, schedule=schedule)
 
     def __enter__(self):
-        self.prof.__enter__()
+        self.prof.__enter__()  # warm-up: the tracer runs, nothing is kept
+        if self.sync is not None:
+            self.sync()
+        self.prof.step()  # recording from here
         return self
 
     def __exit__(self, *exc):
