@@ -177,6 +177,7 @@ def test_cli_check(tmp_path):
     profile = [ln for ln in lines if ln.startswith("profile (rank 0, self CPU time of ops): mHC ")]
     assert len(profile) == 1, proc.stdout
     assert not profile[0].startswith("profile (rank 0, self CPU time of ops): mHC 0.00 ms"), profile[0]
+    assert any(ln.startswith("profile other, largest: ") for ln in lines), proc.stdout
 
 
 @pytest.mark.parametrize(
@@ -206,6 +207,7 @@ def test_profile_keeps_only_what_runs_after_the_sync():
     totals = prof.totals()
     assert totals["GEMM"] == 0.0, totals
     assert totals["other"] > 0.0, totals
+    assert [name for name, _ in prof.top_other()] == ["aten::add"], prof.top_other()
 
 
 def test_schedule_decode_first_within_budget():

@@ -28,18 +28,31 @@ def category(name: str) -> str:
     return "other"
 
 
+def _timed(events, device_type: str):
+    """(name, ms) of each of ``profiler.key_averages()``: kernels on cuda, ops' self time on cpu
+    (not the schedule's ProfilerStep marker)."""
+    for e in events:
+        if e.key.startswith("ProfilerStep"):
+            continue
+        if device_type == "cuda":
+            if e.device_type == DeviceType.CUDA:
+                yield e.key, e.self_device_time_total / 1000
+        else:
+            yield e.key, e.self_cpu_time_total / 1000
+
+
 def breakdown(events, device_type: str) -> dict[str, float]:
     """Milliseconds per category from ``profiler.key_averages()``."""
     totals = dict.fromkeys(LABELS, 0.0)
-    for e in events:
-        if device_type == "cuda":
-            if e.device_type != DeviceType.CUDA:
-                continue
-            us = e.self_device_time_total
-        else:
-            us = e.self_cpu_time_total
-        totals[category(e.key)] += us / 1000
+    for name, ms in _timed(events, device_type):
+        totals[category(name)] += ms
     return totals
+
+
+def top_other(events, device_type: str, n: int = 5) -> list[tuple[str, float]]:
+    """The n names that take the most of "other" (elementwise kernels, norms, copies...)."""
+    other = [(name, ms) for name, ms in _timed(events, device_type) if category(name) == "other"]
+    return sorted(other, key=lambda item: -item[1])[:n]
 
 
 def format_breakdown(totals: dict[str, float], device_type: str) -> str:
@@ -47,6 +60,10 @@ def format_breakdown(totals: dict[str, float], device_type: str) -> str:
     what = "GPU kernel time" if device_type == "cuda" else "self CPU time of ops"
     parts = ", ".join(f"{k} {v:.2f} ms ({v / total:.0%})" for k, v in totals.items() if total)
     return f"profile (rank 0, {what}): {parts}; total {total:.2f} ms"
+
+
+def format_top_other(top: list[tuple[str, float]]) -> str:
+    return "profile other, largest: " + "; ".join(f"{name[:90]} {ms:.2f} ms" for name, ms in top)
 
 
 class Profiler:
@@ -81,3 +98,6 @@ class Profiler:
 
     def totals(self) -> dict[str, float]:
         return breakdown(self.prof.key_averages(), self.device_type)
+
+    def top_other(self) -> list[tuple[str, float]]:
+        return top_other(self.prof.key_averages(), self.device_type)
