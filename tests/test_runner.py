@@ -178,6 +178,8 @@ def test_cli_check(tmp_path):
     assert len(profile) == 1, proc.stdout
     assert not profile[0].startswith("profile (rank 0, self CPU time of ops): mHC 0.00 ms"), profile[0]
     assert any(ln.startswith("profile other, largest: ") for ln in lines), proc.stdout
+    top_mhc = [ln for ln in lines if ln.startswith("profile mHC, largest: ")]
+    assert len(top_mhc) == 1 and "spkernels::" in top_mhc[0], proc.stdout
 
 
 @pytest.mark.parametrize(
@@ -207,7 +209,7 @@ def test_profile_keeps_only_what_runs_after_the_sync():
     totals = prof.totals()
     assert totals["GEMM"] == 0.0, totals
     assert totals["other"] > 0.0, totals
-    assert [name for name, _ in prof.top_other()] == ["aten::add"], prof.top_other()
+    assert [name for name, _ in prof.top()["other"]] == ["aten::add"], prof.top()
 
 
 def test_schedule_decode_first_within_budget():

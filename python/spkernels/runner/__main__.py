@@ -15,7 +15,7 @@ import sys
 from .config import PRESETS
 from .engine import MICROBATCH_MIN_TOKENS
 from .launch import RunOptions, exit_without_teardown, launch
-from .profile import format_breakdown, format_top_other
+from .profile import format_breakdown, format_top
 
 
 def _threshold(text: str):
@@ -160,7 +160,8 @@ def report(results: dict) -> bool:
     print(f"peak stream per rank: {stats['peak_stream_bytes'] / 2**20:.2f} MiB")
     if "profile_ms" in stats:
         print(format_breakdown(stats["profile_ms"], results["device"]))
-        print(format_top_other(stats["profile_top_other"]))
+        for label, top in stats["profile_top"].items():
+            print(format_top(label, top))
     for i, tokens in enumerate(results["tokens"]):
         print(f"tokens {i}: {' '.join(map(str, tokens))}")
     check = results.get("check")

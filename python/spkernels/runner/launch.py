@@ -235,7 +235,7 @@ def _generate(
     stats = engine.stats()
     if profile:
         stats["profile_ms"] = profiler.totals()
-        stats["profile_top_other"] = profiler.top_other()
+        stats["profile_top"] = profiler.top()
     forwards = [dataclasses.astuple(f) for f in engine.forwards]
     return requests, stats, [dataclasses.astuple(s) for s in engine.steps], forwards
 

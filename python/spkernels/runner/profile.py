@@ -29,8 +29,9 @@ def category(name: str) -> str:
 
 
 def _timed(events, device_type: str):
-    """(name, ms) of each of ``profiler.key_averages()``: kernels on cuda, ops' self time on cpu
-    (not the schedule's ProfilerStep marker)."""
+    """(name, ms) of each of ``profiler.key_averages()``: kernels on cuda, ops' self time on cpu.
+    Not the schedule's ProfilerStep range: on cuda it is also a GPU-timeline annotation spanning
+    the whole step, which would count the step's time twice."""
     for e in events:
         if e.key.startswith("ProfilerStep"):
             continue
@@ -49,10 +50,13 @@ def breakdown(events, device_type: str) -> dict[str, float]:
     return totals
 
 
-def top_other(events, device_type: str, n: int = 5) -> list[tuple[str, float]]:
-    """The n names that take the most of "other" (elementwise kernels, norms, copies...)."""
-    other = [(name, ms) for name, ms in _timed(events, device_type) if category(name) == "other"]
-    return sorted(other, key=lambda item: -item[1])[:n]
+TOP_LABELS = ("mHC", "other")  # the categories whose largest names --profile prints
+
+
+def top_names(events, device_type: str, label: str, n: int = 5) -> list[tuple[str, float]]:
+    """The n names that take the most of one category (which mHC kernels; which glue in "other")."""
+    named = [(name, ms) for name, ms in _timed(events, device_type) if category(name) == label]
+    return sorted(named, key=lambda item: -item[1])[:n]
 
 
 def format_breakdown(totals: dict[str, float], device_type: str) -> str:
@@ -62,8 +66,8 @@ def format_breakdown(totals: dict[str, float], device_type: str) -> str:
     return f"profile (rank 0, {what}): {parts}; total {total:.2f} ms"
 
 
-def format_top_other(top: list[tuple[str, float]]) -> str:
-    return "profile other, largest: " + "; ".join(f"{name[:90]} {ms:.2f} ms" for name, ms in top)
+def format_top(label: str, top: list[tuple[str, float]]) -> str:
+    return f"profile {label}, largest: " + "; ".join(f"{name[:90]} {ms:.2f} ms" for name, ms in top)
 
 
 class Profiler:
@@ -99,5 +103,6 @@ class Profiler:
     def totals(self) -> dict[str, float]:
         return breakdown(self.prof.key_averages(), self.device_type)
 
-    def top_other(self) -> list[tuple[str, float]]:
-        return top_other(self.prof.key_averages(), self.device_type)
+    def top(self) -> dict[str, list[tuple[str, float]]]:
+        events = self.prof.key_averages()
+        return {label: top_names(events, self.device_type, label) for label in TOP_LABELS}
