@@ -44,7 +44,7 @@ rc=0
 if want test && fits 120 test; then
   targets=("$@"); [[ ${#targets[@]} -eq 0 ]] && targets=(-m gpu tests)  # the GPU suite; CI runs the rest
   # A broken barrier shows as a timeout error, not a suite-long hang.
-  SPK_BARRIER_TIMEOUT=${SPK_BARRIER_TIMEOUT:-30} timeout $(( $(left) < 1200 ? $(left) : 1200 )) python3 -m pytest -q -rP -p no:cacheprovider "${targets[@]}" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+  SPK_BARRIER_TIMEOUT=${SPK_BARRIER_TIMEOUT:-30} timeout $(( $(left) < 1200 ? $(left) : 1200 )) python3 -m pytest -q -rP --durations=15 -p no:cacheprovider "${targets[@]}" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
   rc=${PIPESTATUS[0]}
   echo "pytest rc=$rc"
   grep -A2 "hang detection" "$OUT/pytest_gpu.log" | head -12

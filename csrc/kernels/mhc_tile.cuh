@@ -250,8 +250,10 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
       float acc[kNT][4];
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-      if (warp < gmax && parts > 1) {  // warp-uniform; decode: this CTA's 8 fn rows (n-tile `part`)
-        uint4 q[kHC][2];               // every fragment in flight at once
+      // warp-uniform; decode: this CTA's 8 fn rows (n-tile `part`). Never for the head (one n-tile,
+      // parts == 1): compiled in, the path cost it 119 registers against 84 without.
+      if (kNT > 1 && warp < gmax && parts > 1) {
+        uint4 q[kHC][2];  // every fragment in flight at once
 #pragma unroll
         for (int i = 0; i < kHC; ++i)
 #pragma unroll
