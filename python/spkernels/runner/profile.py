@@ -29,7 +29,7 @@ def category(name: str) -> str:
 
 
 def _timed(events, device_type: str):
-    """(name, ms) of each of ``profiler.key_averages()``: kernels on cuda, ops' self time on cpu.
+    """(name, ms, calls) of each of ``profiler.key_averages()``: kernels on cuda, ops' self time on cpu.
     Not the schedule's ProfilerStep range: on cuda it is also a GPU-timeline annotation spanning
     the whole step, which would count the step's time twice."""
     for e in events:
@@ -37,15 +37,15 @@ def _timed(events, device_type: str):
             continue
         if device_type == "cuda":
             if e.device_type == DeviceType.CUDA:
-                yield e.key, e.self_device_time_total / 1000
+                yield e.key, e.self_device_time_total / 1000, e.count
         else:
-            yield e.key, e.self_cpu_time_total / 1000
+            yield e.key, e.self_cpu_time_total / 1000, e.count
 
 
 def breakdown(events, device_type: str) -> dict[str, float]:
     """Milliseconds per category from ``profiler.key_averages()``."""
     totals = dict.fromkeys(LABELS, 0.0)
-    for name, ms in _timed(events, device_type):
+    for name, ms, _ in _timed(events, device_type):
         totals[category(name)] += ms
     return totals
 
@@ -53,9 +53,10 @@ def breakdown(events, device_type: str) -> dict[str, float]:
 TOP_LABELS = ("mHC", "other")  # the categories whose largest names --profile prints
 
 
-def top_names(events, device_type: str, label: str, n: int = 5) -> list[tuple[str, float]]:
-    """The n names that take the most of one category (which mHC kernels; which glue in "other")."""
-    named = [(name, ms) for name, ms in _timed(events, device_type) if category(name) == label]
+def top_names(events, device_type: str, label: str, n: int = 5) -> list[tuple[str, float, int]]:
+    """The n names that take the most of one category (which mHC kernels; which glue in "other"),
+    as (name, ms, calls): the time per call compares with the microbenchmarks'."""
+    named = [item for item in _timed(events, device_type) if category(item[0]) == label]
     return sorted(named, key=lambda item: -item[1])[:n]
 
 
@@ -66,8 +67,9 @@ def format_breakdown(totals: dict[str, float], device_type: str) -> str:
     return f"profile (rank 0, {what}): {parts}; total {total:.2f} ms"
 
 
-def format_top(label: str, top: list[tuple[str, float]]) -> str:
-    return f"profile {label}, largest: " + "; ".join(f"{name[:90]} {ms:.2f} ms" for name, ms in top)
+def format_top(label: str, top: list[tuple[str, float, int]]) -> str:
+    parts = (f"{name[:90]} {ms:.2f} ms / {calls} = {1000 * ms / calls:.1f} us" for name, ms, calls in top)
+    return f"profile {label}, largest: " + "; ".join(parts)
 
 
 class Profiler:
@@ -103,6 +105,6 @@ class Profiler:
     def totals(self) -> dict[str, float]:
         return breakdown(self.prof.key_averages(), self.device_type)
 
-    def top(self) -> dict[str, list[tuple[str, float]]]:
+    def top(self) -> dict[str, list[tuple[str, float, int]]]:
         events = self.prof.key_averages()
         return {label: top_names(events, self.device_type, label) for label in TOP_LABELS}
