@@ -148,10 +148,9 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
   const int vec = warp * 4 + t;  // this thread's vector of the slice (per stream)
   const size_t col = (size_t)(v0 + vec) * 8;
 
-  for (int tile = cta / S; tile < num_tiles; tile += a.groups) {
-    const int row_base = tile * kTileTokens;
-    // ---- A: issue every stream load of the tile first; x[h][i] = token g + 8h, stream i.
-    uint4 x[2][kHC];
+  // ---- A: every stream load of a tile issued at once; x[h][i] = token g + 8h, stream i.
+  uint4 x[2][kHC];
+  auto load_tile = [&](int row_base) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = row_base + g + 8 * h;
@@ -161,12 +160,23 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
         x[h][i] = valid ? *reinterpret_cast<const uint4*>(a.stream + row * srow + (size_t)i * D + col)
                         : make_uint4(0, 0, 0, 0);
     }
+  };
+  // The head reads x only in the mma phase: the next tile's loads go out right after it, into the
+  // same registers, and are in flight through this tile's CTA sums and workspace stores (A/B on
+  // 2xH200, T = 8192: mhc_head 173 -> 161 us; the same for mhc_pre and mhc_pre_ag was 4-6 %
+  // slower than their L2 prefetch below, so they keep it; a post_pre rewrites x anyway).
+  static_assert(!(kHead && kPost), "the head is a pre without a post");
+  constexpr bool kPipe = kHead;
+  if (kPipe && cta / S < num_tiles) load_tile(cta / S * kTileTokens);
+
+  for (int tile = cta / S; tile < num_tiles; tile += a.groups) {
+    const int row_base = tile * kTileTokens;
+    if constexpr (!kPipe) load_tile(row_base);
     // The CTA's next tile into L2 while this one computes: one bulk prefetch per (token, stream)
-    // slice row (and y's), so the next loads wait on L2, not HBM. Only where a tile's mma work
-    // leaves the prefetch time to land (ncu at T = 8192, D = 4096: post_pre pass 1 288 -> 262 us,
-    // pre 144 -> 139; the head's pass 1 is too short per tile and got slower, 86 -> 100).
+    // slice row (and y's), so the next loads wait on L2, not HBM (ncu at T = 8192, D = 4096:
+    // post_pre pass 1 288 -> 262 us, pre 144 -> 139).
     if (const int next = row_base + a.groups * kTileTokens;
-        kPre && !kHead && next < T && tid < kTileTokens * (kHC + 1)) {
+        kPre && !kPipe && next < T && tid < kTileTokens * (kHC + 1)) {
       const int row = next + tid / (kHC + 1), i = tid % (kHC + 1);
       if (row < T && i < kHC)
         prefetch_l2(a.stream + row * srow + (size_t)i * D + (size_t)v0 * 8, W * 16);
@@ -293,6 +303,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
           }
         }
       }
+      if constexpr (kPipe)
+        if (tile + a.groups < num_tiles) load_tile(row_base + a.groups * kTileTokens);
       // Warps 4..7 write, then warps 0..3 add: half the buffer.
       if (warp >= kWarps / 2) {
 #pragma unroll
