@@ -29,7 +29,7 @@ def timeline(events, device: str) -> list[tuple[str, float, float]]:
         picked = [e for e in events if e.device_type == DeviceType.CUDA]
     else:
         picked = [e for e in events if e.name.startswith("spkernels::")]
-    return sorted((e.name, e.time_range.start, e.time_range.end) for e in picked)
+    return sorted(((e.name, e.time_range.start, e.time_range.end) for e in picked), key=lambda span: span[1])
 
 
 def summarize(spans: list[tuple[str, float, float]], calls: int) -> list[str]:

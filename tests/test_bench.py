@@ -160,3 +160,28 @@ def test_count_wrong():
     bad[0, 0, 0] = float("nan")
     assert cases.count_wrong(bad, x) == 1
     assert cases.count_wrong(x[:8], x) == x.numel()
+
+
+def test_profile_sp_timeline_is_in_time_order():
+    """Kernels in launch order, not by name (by name, pass 2 of one call and pass 1 of the next
+    would be paired into one call)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import profile_sp
+    from torch.autograd import DeviceType
+
+    def kernel(name, start, end):
+        return type(
+            "E",
+            (),
+            dict(
+                name=name, device_type=DeviceType.CUDA, time_range=type("R", (), dict(start=start, end=end))
+            ),
+        )
+
+    events = [
+        kernel("b_pass2", 12, 20),
+        kernel("a_pass1", 30, 41),
+        kernel("a_pass1", 0, 10),
+        kernel("b_pass2", 44, 50),
+    ]
+    assert [s[0] for s in profile_sp.timeline(events, "cuda")] == ["a_pass1", "b_pass2", "a_pass1", "b_pass2"]

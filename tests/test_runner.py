@@ -8,6 +8,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from spkernels.policy import SPPolicy
 from spkernels.runner import Request, RunOptions, compare, plan, schedule, worker
 from spkernels.runner import profile as profile_mod
 from spkernels.runner import weights as weights_mod
+from torch.autograd import DeviceType
 
 # Prompt lengths 1, 3 and 5 are tp - 1 and tp + 1 for tp = 2 and tp = 4 (so some ranks own only pad
 # rows of a shard), 40 is the long one; five requests make every decode batch pad up to the capture
@@ -210,6 +212,32 @@ def test_profile_keeps_only_what_runs_after_the_sync():
     assert totals["GEMM"] == 0.0, totals
     assert totals["other"] > 0.0, totals
     assert [(name, calls) for name, _, calls in prof.top()["other"]] == [("aten::add", 1)], prof.top()
+
+
+def test_profile_coverage_counts_overlaps_once():
+    """A PDL pass 2 resident while its pass 1 runs: summed, the pair counts the overlap twice;
+    covered, once. Gaps between kernels are not covered."""
+    assert profile_mod.covered_ms([(0, 1000), (400, 1500), (2000, 2500), (2100, 2200)]) == 2.0
+    assert profile_mod.covered_ms([]) == 0.0
+
+    def kernel(name, start, end):
+        return SimpleNamespace(
+            name=name, device_type=DeviceType.CUDA, time_range=SimpleNamespace(start=start, end=end)
+        )
+
+    events = [
+        kernel("void spk::mhc_rows_kernel<2, true, true, false>", 0, 1000),
+        kernel("void spk::mhc_collapse_kernel<false, true>", 200, 1600),
+        kernel("nvjet_tst_128x256", 1600, 2600),
+        kernel("ProfilerStep#1", 0, 5000),
+        SimpleNamespace(name="aten::mm", device_type=DeviceType.CPU, time_range=None),
+    ]
+    covered = profile_mod.coverage(events)
+    assert covered["mHC"] == 1.6 and covered["GEMM"] == 1.0 and covered["GPU busy"] == 2.6, covered
+    line = profile_mod.format_breakdown(covered, "cuda", "covered")
+    assert line.startswith("profile (rank 0, covered): mHC 1.60 ms (62%)") and line.endswith(
+        "GPU busy 2.60 ms"
+    ), line
 
 
 def test_schedule_decode_first_within_budget():

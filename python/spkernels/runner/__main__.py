@@ -160,6 +160,9 @@ def report(results: dict) -> bool:
     print(f"peak stream per rank: {stats['peak_stream_bytes'] / 2**20:.2f} MiB")
     if "profile_ms" in stats:
         print(format_breakdown(stats["profile_ms"], results["device"]))
+        if "profile_covered_ms" in stats:
+            what = "GPU time covered, overlapping kernels once"
+            print(format_breakdown(stats["profile_covered_ms"], results["device"], what))
         for label, top in stats["profile_top"].items():
             print(format_top(label, top))
     for i, tokens in enumerate(results["tokens"]):

@@ -236,6 +236,8 @@ def _generate(
     if profile:
         stats["profile_ms"] = profiler.totals()
         stats["profile_top"] = profiler.top()
+        if (covered := profiler.coverage()) is not None:
+            stats["profile_covered_ms"] = covered
     forwards = [dataclasses.astuple(f) for f in engine.forwards]
     return requests, stats, [dataclasses.astuple(s) for s in engine.steps], forwards
 

@@ -1,7 +1,9 @@
 """``--profile``: where the measured generation's time goes, by category (rank 0).
 
-On cuda: GPU kernel time (torch.profiler / CUPTI, graph replays included), by kernel name. On cpu:
-each op's self CPU time, by op name. Profiling slows the run down: report throughput from a run
+On cuda: GPU kernel time (torch.profiler / CUPTI, graph replays included), by kernel name, summed
+and as time covered (overlapping kernels counted once: a PDL-launched pass 2 is resident, waiting,
+while its pass 1 runs, and its summed time counts that wait). On cpu: each op's self CPU time, by op
+name. Profiling slows the run down: report throughput from a run
 without it, and read these as shares.
 """
 
@@ -60,11 +62,33 @@ def top_names(events, device_type: str, label: str, n: int = 5) -> list[tuple[st
     return sorted(named, key=lambda item: -item[1])[:n]
 
 
-def format_breakdown(totals: dict[str, float], device_type: str) -> str:
-    total = sum(totals.values())
-    what = "GPU kernel time" if device_type == "cuda" else "self CPU time of ops"
-    parts = ", ".join(f"{k} {v:.2f} ms ({v / total:.0%})" for k, v in totals.items() if total)
-    return f"profile (rank 0, {what}): {parts}; total {total:.2f} ms"
+def covered_ms(intervals) -> float:
+    """Milliseconds covered by (start_us, end_us) intervals, overlaps counted once."""
+    covered, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            covered += end - max(start, reach)
+            reach = end
+    return covered / 1000
+
+
+def coverage(events) -> dict[str, float]:
+    """Milliseconds of the GPU timeline each category's kernels cover (``profiler.events()``), and
+    under "GPU busy" what any kernel covers."""
+    spans = {label: [] for label in LABELS}
+    for e in events:
+        if e.device_type == DeviceType.CUDA and not e.name.startswith("ProfilerStep"):
+            spans[category(e.name)].append((e.time_range.start, e.time_range.end))
+    busy = covered_ms(iv for ivs in spans.values() for iv in ivs)
+    return {**{label: covered_ms(ivs) for label, ivs in spans.items()}, "GPU busy": busy}
+
+
+def format_breakdown(totals: dict[str, float], device_type: str, what: str | None = None) -> str:
+    total = totals.get("GPU busy", sum(v for k, v in totals.items() if k in LABELS))
+    what = what or ("GPU kernel time" if device_type == "cuda" else "self CPU time of ops")
+    parts = ", ".join(f"{k} {v:.2f} ms ({v / total:.0%})" for k, v in totals.items() if k in LABELS and total)
+    tail = f"GPU busy {totals['GPU busy']:.2f} ms" if "GPU busy" in totals else f"total {total:.2f} ms"
+    return f"profile (rank 0, {what}): {parts}; {tail}"
 
 
 def format_top(label: str, top: list[tuple[str, float, int]]) -> str:
@@ -104,6 +128,9 @@ class Profiler:
 
     def totals(self) -> dict[str, float]:
         return breakdown(self.prof.key_averages(), self.device_type)
+
+    def coverage(self) -> dict[str, float] | None:
+        return coverage(self.prof.events()) if self.device_type == "cuda" else None
 
     def top(self) -> dict[str, list[tuple[str, float, int]]]:
         events = self.prof.key_averages()
