@@ -8,7 +8,8 @@
 # by scripts/ab_trees.sh, carried along), built in place while this tree builds; ab_<name>.json
 # each, compared by scripts/ab_table.py. AB_TESTS="<pytest args>": first run those tests on each
 # .ab tree (its own build and tests) and print their summary line, to place a failure in a stack.
-# PROFILE_KERNELS="T:kernel ..." picks the targets of profile's ncu --set full.
+# PROFILE_KERNELS="T:kernel ..." picks the targets of profile's ncu --set full; PROFILE_DURATIONS=0
+# skips its per-kernel durations.
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/spk_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
@@ -17,7 +18,7 @@ export MAX_JOBS=${MAX_JOBS:-16}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$OUT/machine.txt" 2>&1
 # At most 8 files come back from $OUT: machine.txt, pytest_gpu.log, the bench's json/png/txt,
 # runner.log (runner, load console, wheel check, pp), load.json, sanitize_summary.txt (build.log
-# on failure); ncu_profile.txt (profile) in place of one of them.
+# on failure); ncu_profile.txt and ncu_csv.tgz (profile) in place of two of them.
 start=$(date +%s)
 want() { [[ ($what == all && $1 != profile && $1 != ab) || ,$what, == *,$1,* ]]; }  # what: all, or a comma list
 ab_trees=()
@@ -113,17 +114,27 @@ if want profile && fits 90 profile; then
   for spec in ${PROFILE_KERNELS:-8192:mhc_rows_kernel 8:mhc_collapse_kernel}; do
     T=${spec%%:*}; kernel=${spec#*:}
     echo "===== ncu --set full: $kernel at T = $T" >> "$OUT/ncu_profile.txt"
-    timeout 120 "$ncu" --clock-control none --set full --import-source yes -k "regex:$kernel" --launch-skip 1 \
-      --launch-count 1 --page details python3 scripts/profile_tile.py --T "$T" --ops pre >> "$OUT/ncu_profile.txt" 2>&1
+    rep=/tmp/ncu_${kernel}_$T
+    timeout 150 "$ncu" --clock-control none --set full --import-source yes -k "regex:$kernel" --launch-skip 1 \
+      --launch-count 1 -f -o "$rep" python3 scripts/profile_tile.py --T "$T" --ops pre >> "$OUT/ncu_profile.txt" 2>&1
+    "$ncu" -i "$rep.ncu-rep" --page details >> "$OUT/ncu_profile.txt" 2>&1
+    # Where its warps wait: stall reasons and the hottest SASS lines (both CSVs come back in ncu_csv.tgz).
+    "$ncu" -i "$rep.ncu-rep" --page raw --csv > "$rep.raw.csv" 2>&1
+    "$ncu" -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.sass.csv" 2>&1
+    python3 scripts/ncu_summary.py "$rep.raw.csv" "$rep.sass.csv" >> "$OUT/ncu_profile.txt" 2>&1
   done
-  echo "===== durations (ns)" >> "$OUT/ncu_profile.txt"
-  timeout 120 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
-    python3 scripts/profile_tile.py --T 8,64,8192 --ops pre,post_pre,head 2>&1 | grep "spk::" \
-    | awk -F'","' '{print $5, $NF}' | sed 's/"$//' >> "$OUT/ncu_profile.txt"
+  tar czf "$OUT/ncu_csv.tgz" -C /tmp $(cd /tmp && ls ncu_*.csv 2>/dev/null)
+  if [[ ${PROFILE_DURATIONS:-1} != 0 ]]; then
+    echo "===== durations (ns)" >> "$OUT/ncu_profile.txt"
+    timeout 120 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
+      python3 scripts/profile_tile.py --T 8,64,8192 --ops pre,post_pre,head 2>&1 | grep "spk::" \
+      | awk -F'","' '{print $5, $NF}' | sed 's/"$//' >> "$OUT/ncu_profile.txt"
+  fi
   # The fused boundaries across the GPUs: each kernel's duration and the gaps between them.
   echo "===== fused boundaries (torch.profiler)" >> "$OUT/ncu_profile.txt"
   timeout 120 python3 scripts/profile_sp.py --T 8,64,8192 >> "$OUT/ncu_profile.txt" 2>&1
-  grep -E "^=====|Duration|Registers Per|Achieved Occupancy|DRAM Throughput|Stall" "$OUT/ncu_profile.txt" | head -40
+  grep -E "^=====|Duration|Registers Per|Achieved Occupancy|DRAM Throughput" "$OUT/ncu_profile.txt" | head -20
+  sed -n '/^warp stall reasons/,/^=====/p' "$OUT/ncu_profile.txt" | head -50
   sed -n '/===== fused boundaries/,$p' "$OUT/ncu_profile.txt" | grep -v USDT | head -60
 fi
 if want pp && fits 100 pp; then

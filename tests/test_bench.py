@@ -185,3 +185,37 @@ def test_profile_sp_timeline_is_in_time_order():
         kernel("b_pass2", 44, 50),
     ]
     assert [s[0] for s in profile_sp.timeline(events, "cuda")] == ["a_pass1", "b_pass2", "a_pass1", "b_pass2"]
+
+
+def test_ncu_summary(tmp_path):
+    """scripts/ncu_summary.py on ncu's CSV layouts: the raw page (names, units, one row per kernel)
+    and the SASS source page (one row per instruction)."""
+    raw = tmp_path / "raw.csv"
+    raw.write_text(
+        '"ID","Kernel Name","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",'
+        '"smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","dram__bytes.sum"\n'
+        '"","","ratio","ratio","byte"\n'
+        '"0","mhc_rows_kernel","1.50","4.25","1,024"\n'
+    )
+    sass = tmp_path / "sass.csv"
+    sass.write_text(
+        '"Address","Source","Warp Stall Sampling (All Samples)","stall_long_sb","stall_barrier"\n'
+        '"0x10","LDG.E.128 R4, desc[UR4][R2.64]","120","110","0"\n'
+        '"0x20","BAR.SYNC.DEFER_BLOCKING 0x0","300","0","290"\n'
+        '"0x30","IMAD R1, R2, R3, R4","5","0","0"\n'
+    )
+    script = str(REPO / "scripts" / "ncu_summary.py")
+    out = subprocess.run(
+        [sys.executable, script, str(raw), str(sass)], capture_output=True, text=True, check=True
+    ).stdout
+    lines = out.splitlines()
+    assert lines[1].split()[:2] == ["long_scoreboard", "4.25"] and lines[2].split()[:2] == [
+        "barrier",
+        "1.50",
+    ], out
+    assert "425 stall samples in all" in out, out
+    hot = [ln for ln in lines if ln.startswith("    0x")]
+    assert (
+        hot[0].split()[:3] == ["0x20", "300", "BAR.SYNC.DEFER_BLOCKING"] and "stall_barrier 290" in hot[0]
+    ), out
+    assert hot[1].split()[:3] == ["0x10", "120", "LDG.E.128"] and "stall_long_sb 110" in hot[1], out

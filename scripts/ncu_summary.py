@@ -1,0 +1,86 @@
+"""Where one profiled kernel's warps wait, from an ncu report exported as CSV (gpu_run.sh profile).
+
+  ncu -i rep.ncu-rep --page raw --csv > raw.csv
+  ncu -i rep.ncu-rep --page source --csv --print-source sass > sass.csv
+  python3 scripts/ncu_summary.py raw.csv sass.csv
+
+Prints the warp-stall reasons (cycles a warp waits per issued instruction, largest first) and the
+SASS instructions with the most stall samples, each with its leading reasons.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+import sys
+
+STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio$")
+
+
+def number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def read_csv(path: str) -> list[list[str]]:
+    with open(path, newline="") as f:
+        return [row for row in csv.reader(f) if row]
+
+
+def stall_reasons(rows: list[list[str]]) -> list[tuple[str, float]]:
+    """(reason, warp cycles per issued instruction) from the raw page: a header row of metric
+    names, a units row, then one row per kernel (the first is reported)."""
+    header = next((r for r in rows if any(STALL.match(c) for c in r)), None)
+    if header is None:
+        return []
+    values = rows[rows.index(header) + 2]
+    found = []
+    for name, value in zip(header, values, strict=False):
+        m, v = STALL.match(name), number(value)
+        if m and v is not None:
+            found.append((m.group(1), v))
+    return sorted(found, key=lambda item: -item[1])
+
+
+def hot_instructions(rows: list[list[str]], n: int) -> tuple[list[str], list[list[str]]]:
+    """The header and the n SASS rows with the most warp-stall samples (all samples)."""
+    header = next((r for r in rows if any("Warp Stall Sampling (All" in c for c in r)), None)
+    if header is None:
+        return [], []
+    samples = next(i for i, c in enumerate(header) if "Warp Stall Sampling (All" in c)
+    body = [
+        r for r in rows[rows.index(header) + 1 :] if len(r) == len(header) and number(r[samples]) is not None
+    ]
+    return header, sorted(body, key=lambda r: -(number(r[samples]) or 0.0))[:n]
+
+
+def main() -> None:
+    raw, sass = sys.argv[1], sys.argv[2]
+    reasons = stall_reasons(read_csv(raw))
+    total = sum(v for _, v in reasons) or 1.0
+    print("warp stall reasons (warp cycles per issued instruction):")
+    for name, v in reasons[:12]:
+        print(f"  {name:28s} {v:7.2f}  {v / total:5.1%}")
+    header, hot = hot_instructions(read_csv(sass), 30)
+    if not header:
+        print("no SASS source page (columns: Warp Stall Sampling) in", sass)
+        return
+    samples = next(i for i, c in enumerate(header) if "Warp Stall Sampling (All" in c)
+    source = next((i for i, c in enumerate(header) if c.strip() == "Source"), 1)
+    address = next((i for i, c in enumerate(header) if c.strip() == "Address"), 0)
+    reason_cols = [i for i, c in enumerate(header) if c.startswith("stall_") or "Stall" in c and i != samples]
+    all_samples = sum(number(r[samples]) or 0.0 for r in read_csv(sass)[1:] if len(r) == len(header))
+    print(f"hottest SASS instructions ({all_samples:.0f} stall samples in all):")
+    for r in hot:
+        top = sorted(
+            ((header[i], number(r[i]) or 0.0) for i in reason_cols if (number(r[i]) or 0.0) > 0),
+            key=lambda item: -item[1],
+        )[:3]
+        why = ", ".join(f"{k} {v:.0f}" for k, v in top)
+        print(f"  {r[address]:>6s} {number(r[samples]) or 0:7.0f}  {r[source][:60]:60s} {why}")
+
+
+if __name__ == "__main__":
+    main()
