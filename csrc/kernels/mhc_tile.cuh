@@ -177,13 +177,19 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
     if constexpr (!kPipe) load_tile(row_base);
     // The CTA's next tile into L2 while this one computes: one bulk prefetch per (token, stream)
     // slice row (and y's), so the next loads wait on L2, not HBM (ncu at T = 8192, D = 4096:
-    // post_pre pass 1 288 -> 262 us, pre 144 -> 139).
+    // post_pre pass 1 288 -> 262 us, pre 144 -> 139). The ranges are dealt round the warps: the
+    // bulk prefetch takes uniform operands, so a warp runs its lanes' ranges one after another,
+    // and with them on the first threads two warps ran 32 steps while the others waited at the
+    // next barrier (ncu: ~7% of pass 1's stall samples; A/B on 2xH200 at T = 8192, D = 4096:
+    // mhc_pre 231 -> 225 us, post_pre 364 -> 353, SP boundary 347 -> 338).
+    constexpr int kPer = kHC + (kSrc == YSrc::kLocal ? 1 : 0);  // ranges per token: streams, y
+    static_assert(kTileTokens * kPer % kWarps == 0, "whole shares per warp");
     if (const int next = row_base + a.groups * kTileTokens;
-        kPre && !kPipe && next < T && tid < kTileTokens * (kHC + 1)) {
-      const int row = next + tid / (kHC + 1), i = tid % (kHC + 1);
+        kPre && !kPipe && next < T && lane < kTileTokens * kPer / kWarps) {
+      const int k = lane * kWarps + warp, row = next + k / kPer, i = k % kPer;
       if (row < T && i < kHC)
         prefetch_l2(a.stream + row * srow + (size_t)i * D + (size_t)v0 * 8, W * 16);
-      else if (row < T && kSrc == YSrc::kLocal)
+      else if (row < T)
         prefetch_l2(a.y + (size_t)row * D + (size_t)v0 * 8, W * 16);
     }
     // The previous tile's readers of s_mixin are done: a post alone has no later barrier; with a
