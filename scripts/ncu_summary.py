@@ -63,15 +63,16 @@ def main() -> None:
     print("warp stall reasons (warp cycles per issued instruction):")
     for name, v in reasons[:12]:
         print(f"  {name:28s} {v:7.2f}  {v / total:5.1%}")
-    header, hot = hot_instructions(read_csv(sass), 30)
+    sass_rows = read_csv(sass)
+    header, hot = hot_instructions(sass_rows, 30)
     if not header:
         print("no SASS source page (columns: Warp Stall Sampling) in", sass)
         return
     samples = next(i for i, c in enumerate(header) if "Warp Stall Sampling (All" in c)
     source = next((i for i, c in enumerate(header) if c.strip() == "Source"), 1)
     address = next((i for i, c in enumerate(header) if c.strip() == "Address"), 0)
-    reason_cols = [i for i, c in enumerate(header) if c.startswith("stall_") or "Stall" in c and i != samples]
-    all_samples = sum(number(r[samples]) or 0.0 for r in read_csv(sass)[1:] if len(r) == len(header))
+    reason_cols = [i for i, c in enumerate(header) if c.startswith("stall_") and "(" not in c]  # all samples
+    all_samples = sum(number(r[samples]) or 0.0 for r in sass_rows if len(r) == len(header))
     print(f"hottest SASS instructions ({all_samples:.0f} stall samples in all):")
     for r in hot:
         top = sorted(

@@ -2,9 +2,9 @@
 
 On cuda: GPU kernel time (torch.profiler / CUPTI, graph replays included), by kernel name, summed
 and as time covered (overlapping kernels counted once: a PDL-launched pass 2 is resident, waiting,
-while its pass 1 runs, and its summed time counts that wait). On cpu: each op's self CPU time, by op
-name. Profiling slows the run down: report throughput from a run
-without it, and read these as shares.
+while its pass 1 runs, and its summed time counts that wait). On cpu: each op's self CPU time, by
+op name. Profiling slows the run down: report throughput from a run without it, and read these as
+shares.
 """
 
 from __future__ import annotations
