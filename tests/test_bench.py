@@ -219,3 +219,23 @@ def test_ncu_summary(tmp_path):
         hot[0].split()[:3] == ["0x20", "300", "BAR.SYNC.DEFER_BLOCKING"] and "stall_barrier 290" in hot[0]
     ), out
     assert hot[1].split()[:3] == ["0x10", "120", "LDG.E.128"] and "stall_long_sb 110" in hot[1], out
+
+
+def test_compile_baselines_default():
+    """The default sweep times every local op and both boundaries beside their torch.compile'd
+    reference; --quick only the boundaries and mhc_post_pre; an explicit list wins."""
+    import collectives
+
+    full = set(collectives.parse_args([]).compile_ops.split(","))
+    assert {
+        "mhc_pre",
+        "mhc_post",
+        "mhc_post_pre",
+        "mhc_head",
+        "mhc_post_pre_rs_ag",
+        "mhc_post_pre_ar",
+    } <= full
+    assert set(collectives.parse_args(["--quick"]).compile_ops.split(",")) == set(
+        collectives.QUICK_COMPILE_OPS
+    )
+    assert collectives.parse_args(["--compile-ops", "all"]).compile_ops == "all"
