@@ -127,6 +127,16 @@ __device__ __forceinline__ void stage_fn_slice(const TileArgs& a, int v0, int W,
   __syncthreads();
 }
 
+// One k-step (16 elements of stream i: this thread's 4 of token g in x0, of token g + 8 in x1)
+// of the tile's token-by-token products: sqc[0][m][n] += x_m · x_n for tokens n < 8, sqc[1] for
+// n = 8 + (0..7). mhc_rows reads the diagonal.
+__device__ __forceinline__ void square_sums(float (&sqc)[2][4], const uint4& x0, const uint4& x1, int s) {
+  const uint32_t a0 = word_of(x0, 2 * s), a1 = word_of(x1, 2 * s);
+  const uint32_t a2 = word_of(x0, 2 * s + 1), a3 = word_of(x1, 2 * s + 1);
+  mma_bf16_16816(sqc[0], a0, a1, a2, a3, a0, a2);
+  mma_bf16_16816(sqc[1], a0, a1, a2, a3, a1, a3);
+}
+
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead>
 __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
   constexpr int kRows = FnRows<kHead>::kRows;
@@ -258,16 +268,12 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
 
     if constexpr (kPre) {
       // ---- B: m = fn · x on tensor cores and sum x^2, reduced warp -> CTA in a fixed order.
-      float sq[2] = {0.f, 0.f};
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int i = 0; i < kHC; ++i) {
-          float f[8];
-          bf16x8_to_float(x[h][i], f);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) sq[h] += f[e] * f[e];
-        }
+      // The sums of squares on the tensor cores too: the tile's A fragment times itself as B
+      // (B's column n = token n's k values, which are A's row n words a0/a2, rows 8..15 a1/a3)
+      // gives x_m · x_n; each token's own product is the diagonal. bf16 products are exact in
+      // fp32, so this is the same sum as a loop of FFMAs in another order, for 16 mma per warp
+      // and tile instead of ~130 conversions and FFMAs (ncu: pass 1 waits on such short chains).
+      float sqc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // tokens 0..7 | 8..15 as n
       float acc[kNT][4];
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
@@ -292,6 +298,10 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
               mma_bf16_16816(acc[nt], a0, a1, a2, a3, q[i][s].z, q[i][s].w);  // lo
             }
         }
+#pragma unroll
+        for (int i = 0; i < kHC; ++i)
+#pragma unroll
+          for (int s = 0; s < 2; ++s) square_sums(sqc, x[0][i], x[1][i], s);
       } else if (warp < gmax) {  // warp-uniform
 #pragma unroll
         for (int i = 0; i < kHC; ++i) {
@@ -311,6 +321,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
               mma_bf16_16816(acc[nt], a0, a1, a2, a3, q[s][nt].x, q[s][nt].y);  // hi
               mma_bf16_16816(acc[nt], a0, a1, a2, a3, q[s][nt].z, q[s][nt].w);  // lo
             }
+            square_sums(sqc, x[0][i], x[1][i], s);
           }
         }
       }
@@ -326,10 +337,9 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
           s_red[buf][warp - kWarps / 2][g + 8][nt * 8 + 2 * t + 1] = acc[nt][3];
         }
       }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float q = quad_sum(sq[h]);
-        if (t == 0) s_redsq[buf][warp][g + 8 * h] = q;
+      if (t == g >> 1) {  // C[g][g] and C[g + 8][g]: c0 / c1 and c2 / c3 of thread (g, g / 2)
+        s_redsq[buf][warp][g] = g & 1 ? sqc[0][1] : sqc[0][0];
+        s_redsq[buf][warp][g + 8] = g & 1 ? sqc[1][3] : sqc[1][2];
       }
       __syncthreads();
       if (warp < kWarps / 2) {
