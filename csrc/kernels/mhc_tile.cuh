@@ -638,21 +638,33 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_row_kernel(const __grid
   __shared__ float s_coef[kCollapseRows][kMix];
   __shared__ float s_sq[kV * kThreads];  // per-vector sums of squares
   __shared__ float s_rn;
-  if (!collapse_prologue<kGather>(a)) return;
   const int tid = threadIdx.x, D = a.hidden, nvec = D >> 3, row = blockIdx.x;
-  const uint4* src =
-      reinterpret_cast<const uint4*>((a.new_stream != nullptr ? a.new_stream : a.stream) + (size_t)row * kHC * D);
   const bool norm = !kHead && a.norm_weight != nullptr;
+  // A pre's stream and the norm weight are the op's inputs, complete before pass 1 started and
+  // written by no kernel of the op: loaded before pdl_wait() (pdl.cuh's exception), they are in
+  // flight while pass 1 still runs. A post_pre's new stream is pass 1's output: after the wait.
+  const bool early = a.new_stream == nullptr;
   uint4 x[kV][kHC], nw[kV];
+  auto load_row = [&](const __nv_bfloat16* stream) {
+    const uint4* src = reinterpret_cast<const uint4*>(stream + (size_t)row * kHC * D);
 #pragma unroll
-  for (int m = 0; m < kV; ++m) {
-    const int v = tid + kThreads * m;
-    if (v < nvec) {
+    for (int m = 0; m < kV; ++m) {
+      const int v = tid + kThreads * m;
+      if (v < nvec) {
 #pragma unroll
-      for (int i = 0; i < kHC; ++i) x[m][i] = src[(size_t)i * nvec + v];
-      if (norm) nw[m] = __ldg(reinterpret_cast<const uint4*>(a.norm_weight) + v);
+        for (int i = 0; i < kHC; ++i) x[m][i] = src[(size_t)i * nvec + v];
+      }
     }
+  };
+  if (row < a.num_tokens) {  // not the TP exit-barrier CTA
+    if (early) load_row(a.stream);
+#pragma unroll
+    for (int m = 0; m < kV; ++m)
+      if (norm && tid + kThreads * m < nvec)
+        nw[m] = __ldg(reinterpret_cast<const uint4*>(a.norm_weight) + tid + kThreads * m);
   }
+  if (!collapse_prologue<kGather>(a)) return;
+  if (!early) load_row(a.new_stream);
   collapse_coefficients<kHead>(a, row, 1, s_m, s_coef);
   float w[kHC];
   collapse_weights<kHead>(a, row, s_coef[0], w);

@@ -9,6 +9,12 @@
 //   every thread calls pdl_wait() first, before any global memory access and before any
 //   LsaBarrier is constructed or synced.
 //
+// One exception: loads of the op's own inputs that no kernel of the op writes (a pre's stream
+// and norm weight in pass 2). An op's first kernel is a plain launch, so when a dependent of it
+// runs, every kernel before the op has completed and its writes are visible; and nothing of the
+// op changes those bytes. Such loads only start earlier; the thread still waits before anything
+// else.
+//
 // pdl_wait() (griddepcontrol.wait) returns once the previous grid has completed and all its
 // memory operations are performed and visible to this grid (PTX ISA), so everything after it sees
 // the same state as after a plain stream-ordered launch. Two consequences the LSA protocols use:
