@@ -16,7 +16,7 @@ OUT=${OUT:-/tmp/spk_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export MAX_JOBS=${MAX_JOBS:-16}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$OUT/machine.txt" 2>&1
-# At most 8 files come back from $OUT: machine.txt, pytest_gpu.log, the bench's json/png/txt,
+# At most 8 files come back from $OUT: machine.txt (with the test summary lines), pytest_gpu.log, the bench's json/png/txt,
 # runner.log (runner, load console, wheel check, pp), load.json, sanitize_summary.txt (build.log
 # on failure); ncu_profile.txt and ncu_csv.tgz (profile) in place of two of them.
 start=$(date +%s)
@@ -48,6 +48,8 @@ if want test && fits 120 test; then
   SPK_BARRIER_TIMEOUT=${SPK_BARRIER_TIMEOUT:-30} timeout $(( $(left) < 1200 ? $(left) : 1200 )) python3 -m pytest -q -rP --durations=15 -p no:cacheprovider "${targets[@]}" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
   rc=${PIPESTATUS[0]}
   echo "pytest rc=$rc"
+  # machine.txt always comes back: the suite's summary line goes there too
+  echo "gpu suite (rc=$rc): $(tail -1 "$OUT/pytest_gpu.log")" >> "$OUT/machine.txt"
   grep -A2 "hang detection" "$OUT/pytest_gpu.log" | head -12
 fi
 if want bench && fits 90 bench; then
@@ -73,7 +75,7 @@ if want ab && fits 60 ab; then
     if [[ $(cat "$d/build.rc") != 0 ]]; then echo "ab $name: BUILD FAILED"; tail -20 "$d/build.log"; continue; fi
     if (( ${#ab_tests[@]} )) && fits 60 "ab $name tests"; then
       (cd "$d" && PYTHONPATH=$PWD/python SPK_BARRIER_TIMEOUT=30 timeout 240 python3 -m pytest -q -p no:cacheprovider \
-        "${ab_tests[@]}" 2>&1 | tail -1 | sed "s|^|ab $name tests: |")
+        "${ab_tests[@]}" 2>&1 | tail -1 | sed "s|^|ab $name tests: |" | tee -a "$OUT/machine.txt")
     fi
     fits 30 "ab $name" && ab_bench "$PWD/$d" "$name" "$(cat "$d/COMMIT")" && results+=("$OUT/ab_$name.json")
   done
