@@ -1,10 +1,10 @@
 """run_distributed: the one way tests start a process group (STYLE.md item 7).
 
-Spawns ``world_size`` processes on a free local port, initialises ``torch.distributed`` in each
-(gloo on CPU, nccl with one GPU per rank), runs ``fn(rank, world_size, *args)`` and returns what
-each rank returned (tensors come back on the CPU). Any failure in a child fails the calling test
-with that child's traceback; a run that outlives ``timeout`` is killed and fails, so a deadlocked
-collective can never hang the suite.
+Spawns ``world_size`` processes that meet through a file in a fresh temporary directory (no port to
+race for), initialises ``torch.distributed`` in each (gloo on CPU, nccl with one GPU per rank), runs
+``fn(rank, world_size, *args)`` and returns what each rank returned (tensors come back on the CPU).
+Any failure in a child fails the calling test with that child's traceback; a run that outlives
+``timeout`` is killed and fails, so a deadlocked collective can never hang the suite.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import socket
 import sys
 import tempfile
 import time
@@ -27,14 +26,6 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = 120.0
 
 
-def free_port() -> int:
-    """A port that nothing listens on right now (the OS picks it; a race with another process
-    binding it before rank 0 does is possible but would fail loudly, never hang)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
@@ -45,14 +36,14 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def _worker(rank, world_size, port, backend, timeout_s, result_dir, fn, args):
+def _worker(rank, world_size, backend, timeout_s, result_dir, fn, args):
     # Two cores on CI: ranks that each spin up all intra-op threads only fight each other.
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method="file://" + os.path.join(result_dir, "store"),
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
@@ -107,7 +98,7 @@ def run_distributed(
     with tempfile.TemporaryDirectory(prefix="spk_dist_") as result_dir:
         ctx = mp.start_processes(
             _worker,
-            args=(world_size, free_port(), backend, timeout, result_dir, fn, args),
+            args=(world_size, backend, timeout, result_dir, fn, args),
             nprocs=world_size,
             join=False,
             start_method="spawn",

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import free_port
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
@@ -100,12 +99,12 @@ def detect(name: str, call, comm) -> None:
     print(f"  close() returned after {time.monotonic() - start:.3f} s", flush=True)
 
 
-def rank_main(rank: int, port: int) -> None:
+def rank_main(rank: int, store: str) -> None:
     import torch.distributed as dist
     from spkernels import Communicator
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=2)
     calls = op_calls(rank)
     comms = {name: Communicator(max_tokens=T, hidden_size=D) for name in calls}
     if any(c.backend != "lsa" for c in comms.values()):
@@ -132,13 +131,12 @@ def test_dead_peer_times_out():
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
         "PYTHONUNBUFFERED": "1",
     }
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="spk_hang_") as tmp:
         logs = [Path(tmp) / f"rank{r}.log" for r in range(2)]
         procs = []
         for r in range(2):
             with open(logs[r], "w") as out:
-                cmd = [sys.executable, __file__, str(r), str(port)]
+                cmd = [sys.executable, __file__, str(r), str(Path(tmp) / "store")]
                 procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + DEADLINE_S
         try:
@@ -165,7 +163,7 @@ def test_dead_peer_times_out():
 
 if __name__ == "__main__":
     try:
-        rank_main(int(sys.argv[1]), int(sys.argv[2]))
+        rank_main(int(sys.argv[1]), sys.argv[2])
     except BaseException:
         traceback.print_exc()
         sys.stdout.flush()

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import free_port, run_distributed
+from distributed import run_distributed
 from spkernels import Communicator
 from spkernels import reference as ref
 
@@ -147,11 +147,12 @@ def test_zero_rows_through_the_ops(mhc):
 
 # ----------------------------------------------------------------------------- comm ops at tp = 1
 @pytest.fixture(scope="module")
-def group1():
+def group1(tmp_path_factory):
     """A one-process gloo group: tp = 1 makes reduce-scatter, all-gather and all-reduce identities."""
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    store = tmp_path_factory.mktemp("group1") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield dist.group.WORLD
     dist.destroy_process_group()
 
