@@ -85,10 +85,10 @@ if want runner && fits 100 runner; then
   # Issue 6 measurements: prefill with and without SP at 2 x 8k tokens; decode with and without graphs.
   run() { echo "=== $*" >> "$OUT/runner.log"; timeout ${RUNNER_TIMEOUT:-90} python3 -m spkernels.runner --device cuda --tp 2 \
             --preset v4-flash-like --quiet "$@" >> "$OUT/runner.log" 2>&1; echo "rc=$?" >> "$OUT/runner.log"; }
-  run --prompt-lens 8192,8192 --gen 2 --warmup 1 --sp-threshold 1024
-  run --prompt-lens 8192,8192 --gen 2 --warmup 1 --sp-threshold none
-  run --prompts 16 --prompt-len 64 --gen 24 --warmup 1
-  run --prompts 16 --prompt-len 64 --gen 24 --warmup 1 --no-graphs
+  run --prompt-lens 8192,8192 --gen 2 --warmup 1 --repeat 5 --sp-threshold 1024
+  run --prompt-lens 8192,8192 --gen 2 --warmup 1 --repeat 5 --sp-threshold none
+  run --prompts 16 --prompt-len 64 --gen 24 --warmup 1 --repeat 5
+  run --prompts 16 --prompt-len 64 --gen 24 --warmup 1 --repeat 5 --no-graphs
   # Where the prefill's time goes (profiled runs are slower: shares only).
   run --prompt-lens 8192,8192 --gen 1 --warmup 1 --sp-threshold 1024 --profile
   run --prompt-lens 8192,8192 --gen 1 --warmup 1 --sp-threshold none --profile
@@ -143,8 +143,8 @@ if want pp && fits 100 pp; then
   # Issue 7 measurement: PP2 x TP1 on 2 GPUs (v4.1), without and with microbatching.
   pp() { echo "=== $*" >> "$OUT/runner.log"; timeout ${RUNNER_TIMEOUT:-90} python3 -m spkernels.runner --device cuda --tp 1 --pp 2 \
             --arch v4.1 --preset v4-flash-like --quiet "$@" >> "$OUT/runner.log" 2>&1; echo "rc=$?" >> "$OUT/runner.log"; }
-  pp --prompts 8 --prompt-len 2048 --gen 16 --warmup 1 --microbatches 1
-  pp --prompts 8 --prompt-len 2048 --gen 16 --warmup 1 --microbatches 4
+  pp --prompts 8 --prompt-len 2048 --gen 16 --warmup 1 --repeat 5 --microbatches 1
+  pp --prompts 8 --prompt-len 2048 --gen 16 --warmup 1 --repeat 5 --microbatches 4
   pp --prompts 8 --prompt-len 2048 --gen 4 --microbatches 4 --check
   grep -E "^===|prefill|decode:|peak|rc=|Error|check" "$OUT/runner.log"
 fi

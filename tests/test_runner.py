@@ -168,10 +168,13 @@ def test_cli_check(tmp_path):
         "--save-weights",
         str(tmp_path / "w"),
         "--profile",
+        "--repeat",
+        "2",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=os.environ.copy())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
+    assert any(ln.startswith("prefill: ") and ", median of 2: " in ln for ln in lines), proc.stdout
     assert len([ln for ln in lines if ln.startswith("tokens ")]) == 3
     assert any(ln.startswith("check vs one process: PASS") for ln in lines), proc.stdout
     assert any(" SP " in ln for ln in lines if ln.startswith("step ")), proc.stdout
@@ -264,6 +267,8 @@ def test_schedule_decode_first_within_budget():
         (dict(prompt_lens=(3, 0)), ValueError, "prompt lengths"),
         (dict(device="cpu", graphs=True), ValueError, "CUDA graphs"),
         (dict(gen=0), ValueError, "--gen"),
+        (dict(repeat=0), ValueError, "--repeat must be an int >= 1"),
+        (dict(warmup=-1), ValueError, "--warmup must be an int >= 0"),
     ],
 )
 def test_impossible_configs_raise(changes, error, match):

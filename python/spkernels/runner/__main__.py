@@ -92,6 +92,12 @@ def parse_args(argv=None) -> RunOptions:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=0, help="untimed generations before the measured one")
     p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="measured generations; prefill and decode rates are their medians (--profile: the last one)",
+    )
+    p.add_argument(
         "--max-tokens-per-step",
         type=int,
         default=8192,
@@ -148,10 +154,18 @@ def report(results: dict) -> bool:
     generated = sum(len(t) for t in results["tokens"])
     if stats["seconds"]:
         print(f"throughput: {generated / stats['seconds']:.1f} generated tokens/s ({stats['seconds']:.3f} s)")
-    print(f"prefill: {stats['prefill_tokens']} tokens, {stats['prefill_tokens_per_s']:.1f} tokens/s")
+    spread = {}
+    if "repeat" in stats:  # medians of several generations, with their range
+        for key, fmt in (("prefill_tokens_per_s", ".1f"), ("decode_ms_per_step", ".3f")):
+            low, high = stats[key + "_range"]
+            spread[key] = f", median of {stats['repeat']}: {low:{fmt}} .. {high:{fmt}}"
+    print(
+        f"prefill: {stats['prefill_tokens']} tokens, {stats['prefill_tokens_per_s']:.1f} tokens/s"
+        f"{spread.get('prefill_tokens_per_s', '')}"
+    )
     print(
         f"decode: {stats['decode_ms_per_step']:.3f} ms/token ({stats['decode_steps']} steps, "
-        f"one token per request per step)"
+        f"one token per request per step{spread.get('decode_ms_per_step', '')})"
     )
     if stats["graph_steps"] and stats.get("graph_max_diff") is not None:
         print(f"graph vs eager: max logit diff {stats['graph_max_diff']:.3g}")

@@ -8,6 +8,7 @@ import dataclasses
 import os
 import resource
 import socket
+import statistics
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ class RunOptions:
     gen: int = 16
     seed: int = 0
     warmup: int = 0  # untimed generations before the measured one
+    repeat: int = 1  # measured generations; throughput is their median (profile: the last one)
     max_tokens_per_step: int = 8192
     capture_sizes: tuple[int, ...] | None = None  # None: DEFAULT_CUDA_CAPTURE_SIZES on cuda, none on cpu
     graphs: bool | None = None  # None: on for cuda
@@ -120,6 +122,10 @@ def plan(opts: RunOptions, config: ModelConfig | None = None) -> Plan:
         )
     if not isinstance(opts.gen, int) or opts.gen < 1:
         raise ValueError(f"--gen must be >= 1 (tokens to generate per request), got {opts.gen!r}")
+    for name in ("warmup", "repeat"):
+        value, low = getattr(opts, name), 0 if name == "warmup" else 1
+        if not isinstance(value, int) or value < low:
+            raise ValueError(f"--{name} must be an int >= {low}, got {value!r}")
     graphs = opts.graphs
     if graphs is None:  # on by default where they can run: one forward per step, no pipeline hand-over
         graphs = opts.device == "cuda" and opts.pp == opts.microbatches == 1
@@ -224,15 +230,25 @@ def _generate(
         engine.capture(min(len(plan_.prompts), opts.max_tokens_per_step))
     for _ in range(opts.warmup):  # untimed: first-call costs (cuBLAS heuristics, allocator) stay out
         engine.generate(plan_.prompts, opts.gen)
-    engine.steps.clear()
-    engine.forwards.clear()
-    progress = ProgressBar(len(plan_.prompts) * opts.gen) if log else None
-    profiler = Profiler(model.device, sync=_sync_ranks) if profile else contextlib.nullcontext()
-    with profiler:
-        requests = engine.generate(plan_.prompts, opts.gen, progress)
-    if progress:
-        progress.close()
-    stats = engine.stats()
+    rates = {"prefill_tokens_per_s": [], "decode_ms_per_step": []}  # per measured generation
+    for rep in range(opts.repeat):
+        engine.steps.clear()
+        engine.forwards.clear()
+        last = rep == opts.repeat - 1
+        progress = ProgressBar(len(plan_.prompts) * opts.gen) if log and last else None
+        profiler = Profiler(model.device, sync=_sync_ranks) if profile and last else contextlib.nullcontext()
+        with profiler:
+            requests = engine.generate(plan_.prompts, opts.gen, progress)
+        if progress:
+            progress.close()
+        stats = engine.stats()
+        for key, values in rates.items():
+            values.append(stats[key])
+    if opts.repeat > 1:  # one generation's figures move by several % run to run: report the median
+        for key, values in rates.items():
+            stats[key] = statistics.median(values)
+            stats[key + "_range"] = (min(values), max(values))
+        stats["repeat"] = opts.repeat
     if profile:
         stats["profile_ms"] = profiler.totals()
         stats["profile_top"] = profiler.top()
