@@ -16,9 +16,10 @@ OUT=${OUT:-/tmp/spk_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export MAX_JOBS=${MAX_JOBS:-16}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$OUT/machine.txt" 2>&1
-# At most 8 files come back from $OUT: machine.txt (with the test summary lines), pytest_gpu.log, the bench's json/png/txt,
-# runner.log (runner, load console, wheel check, pp), load.json, sanitize_summary.txt (build.log
-# on failure); ncu_profile.txt and ncu_csv.tgz (profile) in place of two of them.
+# At most 8 files come back from $OUT: machine.txt (with the tests' summary lines), pytest_gpu.log,
+# the bench's json/png/txt, runner.log (runner, load console, wheel check, pp), load.json,
+# sanitize_summary.txt (build.log on failure); ncu_profile.txt and ncu_csv.tgz (profile) in place
+# of two of them.
 start=$(date +%s)
 want() { [[ ($what == all && $1 != profile && $1 != ab) || ,$what, == *,$1,* ]]; }  # what: all, or a comma list
 ab_trees=()
