@@ -122,8 +122,8 @@ def plan(opts: RunOptions, config: ModelConfig | None = None) -> Plan:
         )
     if not isinstance(opts.gen, int) or opts.gen < 1:
         raise ValueError(f"--gen must be >= 1 (tokens to generate per request), got {opts.gen!r}")
-    for name in ("warmup", "repeat"):
-        value, low = getattr(opts, name), 0 if name == "warmup" else 1
+    for name, low in (("warmup", 0), ("repeat", 1)):
+        value = getattr(opts, name)
         if not isinstance(value, int) or value < low:
             raise ValueError(f"--{name} must be an int >= {low}, got {value!r}")
     graphs = opts.graphs
