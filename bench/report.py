@@ -253,3 +253,65 @@ def plot(path: Path, rows: list[dict]) -> bool:
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return True
+
+
+# The README's benchmark table: (label, op, T, D, baseline variant, baseline in words, target).
+README_ROWS = (
+    ("`mhc_post_pre_rs_ag` (SP boundary)", "mhc_post_pre_rs_ag", 8192, 4096, "nccl+spkernels",
+     "NCCL RS + local post_pre + NCCL AG", "≥ 2.5×, ≥ 0.85"),
+    ("same, D = 7168", "mhc_post_pre_rs_ag", 8192, 7168, "nccl+spkernels", "same", "≥ 2.5×, ≥ 0.85"),
+    ("same", "mhc_post_pre_rs_ag", 4096, 4096, "nccl+spkernels", "same", "≥ 2.5×, ≥ 0.85"),
+    ("same vs `torch.compile`d reference", "mhc_post_pre_rs_ag", 8192, 4096, "nccl+compile_ref",
+     "NCCL + compiled mHC", "≥ 8×"),
+    ("`mhc_post_pre_ar` (TP boundary)", "mhc_post_pre_ar", 8, 4096, "nccl+spkernels",
+     "NCCL AR + local post_pre", "≤ 8 µs, ≥ 2×"),
+    ("`mhc_post_pre_ar`", "mhc_post_pre_ar", 64, 4096, "nccl+spkernels", "same", "≤ 8 µs, ≥ 2×"),
+    ("`mhc_post_rs`", "mhc_post_rs", 8192, 4096, "nccl+spkernels", "NCCL RS + local post", ""),
+    ("`sp_all_gather`", "sp_all_gather", 8192, 4096, "nccl", "NCCL all-gather", ""),
+    ("`mhc_post`", "mhc_post", 8192, 4096, "compile_ref", "`torch.compile` reference", "≥ 0.8"),
+    ("`mhc_post`", "mhc_post", 1, 4096, "compile_ref", "`torch.compile` reference", "a few µs"),
+    ("`mhc_post_pre`", "mhc_post_pre", 8192, 4096, "compile_ref", "`torch.compile` reference", "≥ 0.8"),
+    ("`mhc_pre`", "mhc_pre", 8192, 4096, "compile_ref", "`torch.compile` reference", "≥ 0.8"),
+    ("`mhc_pre`", "mhc_pre", 8, 4096, "compile_ref", "`torch.compile` reference", "a few µs"),
+    ("`mhc_head`", "mhc_head", 8192, 4096, "compile_ref", "`torch.compile` reference", "≥ 0.8"),
+)  # fmt: skip
+
+
+def _us(v: float) -> str:
+    return f"{v:.0f}" if v >= 100 else f"{v:.1f}"
+
+
+def readme_table(doc: dict) -> str:
+    """The README's benchmark table (graph replays) from a results JSON; a row whose measurement the
+    run lacks says so instead of a number. Fractions of the floor only at T >= 4096, where they mean
+    something."""
+    rows = {(r["op"], r["T"], r["D"], r["baseline"]): r for r in doc["rows"] if r["graph"]}
+    lines = [
+        "| op | T | tp | µs | best unfused baseline | µs | speedup | fraction of floor | target |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, op, T, D, baseline, words, target in README_ROWS:
+        r = rows.get((op, T, D, baseline))
+        if r is None or not r["time_us"] or not r["baseline_us"]:
+            lines.append(f"| {label} | {T} | | not in this run | {words} | | | | {target} |")
+            continue
+        frac = f"{r['frac_of_floor']:.2f}" if T >= 4096 and r["frac_of_floor"] else ""
+        lines.append(
+            f"| {label} | {T} | {r['tp']} | {_us(r['time_us'])} | {words} | {_us(r['baseline_us'])} | "
+            f"{r['speedup']:.2f}× | {frac} | {target} |"
+        )
+    m = doc["machine"]
+    gpu = m["gpu"].removeprefix("NVIDIA ")
+    title = (
+        f"## Benchmarks ({m['date'][:10]}, {m['gpus']}× {gpu}, driver {m['driver']}, torch {m['torch']}, "
+        f"NCCL {m['nccl']}, commit {m['commit'][:7]})"
+    )
+    return title + "\n\n" + "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Print the README's benchmark table from a results JSON.")
+    parser.add_argument("json", type=Path, help="e.g. bench/results/collectives_full.json")
+    print(readme_table(json.loads(parser.parse_args().json.read_text())))
