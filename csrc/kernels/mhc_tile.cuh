@@ -161,8 +161,12 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
   const int vec = warp * 4 + t;  // this thread's vector of the slice (per stream)
   const size_t col = (size_t)(v0 + vec) * 8;
 
-  // ---- A: every stream load of a tile issued at once; x[h][i] = token g + 8h, stream i.
-  uint4 x[2][kHC];
+  // ---- A: every stream load of a tile issued at once; x[h][i] = token g + 8h, stream i. A local
+  // post's y rows go out with them (yr[h]), not after the barrier that stages the tile's mixes:
+  // at decode sizes that was a second HBM round trip per call. Not for a post_pre: its pass 1
+  // has no registers to spare (128 with 4 bytes spilled).
+  constexpr bool kEarlyY = kPost && !kPre && kSrc == YSrc::kLocal;
+  uint4 x[2][kHC], yr[2];
   auto load_tile = [&](int row_base) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -172,6 +176,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
       for (int i = 0; i < kHC; ++i)
         x[h][i] = valid ? *reinterpret_cast<const uint4*>(a.stream + row * srow + (size_t)i * D + col)
                         : make_uint4(0, 0, 0, 0);
+      if constexpr (kEarlyY)
+        yr[h] = valid ? *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col) : make_uint4(0, 0, 0, 0);
     }
   };
   // The head reads x only in the mma phase: the next tile's loads go out right after it, into the
@@ -242,6 +248,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
               }
             }
             bf16x8_to_float(float_to_bf16x8(yv), yv);
+          } else if constexpr (kEarlyY) {
+            bf16x8_to_float(yr[h], yv);
           } else {
             bf16x8_to_float(*reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col), yv);
           }
