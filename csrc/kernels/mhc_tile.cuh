@@ -219,16 +219,15 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
         s_mixin[tok][c] = v;
       }
       __syncthreads();
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int tok = g + 8 * h, row = row_base + tok;
-        const bool valid = vec < W && row < T;
-        float yv[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        if (valid) {
+      // y of token g + 8h in bf16 (the peers' partials summed in rank order 0..tp-1, the same
+      // order on every rank, and rounded like the reference reduction); zeros outside the tile.
+      auto fetch_y = [&](int h) {
+        const int row = row_base + g + 8 * h;
+        uint4 y = make_uint4(0, 0, 0, 0);
+        if (vec < W && row < T) {
           if constexpr (kSrc == YSrc::kPeers) {
-            // Sum every rank's partial row in rank order 0..tp-1 (the same order on every
-            // rank), round to bf16 like the reference reduction, then mix.
             const size_t off = a.lsa.partial_offset + ((size_t)(a.lsa.partial_row0 + row) * D + col) * 2;
+            float yv[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             // Four peers' loads in flight at a time (fewer registers than all kMaxPeers).
 #pragma unroll
             for (int p0 = 0; p0 < kMaxPeers; p0 += 4) {
@@ -247,13 +246,29 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
                 for (int e = 0; e < 8; ++e) yv[e] += f[e];
               }
             }
-            bf16x8_to_float(float_to_bf16x8(yv), yv);
+            y = float_to_bf16x8(yv);
           } else if constexpr (kEarlyY) {
-            bf16x8_to_float(yr[h], yv);
+            y = yr[h];
           } else {
-            bf16x8_to_float(*reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col), yv);
+            y = *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col);
           }
         }
+        return y;
+      };
+      // Both tokens' y before any store: a store may alias y, so the compiler keeps a later load
+      // after it, and token g + 8's loads waited for token g's stores (one more round trip from
+      // T = 9 on, over NVLink for the peers' partials). Not for a local post_pre: 16 bytes spilled.
+      constexpr bool kYFirst = kSrc == YSrc::kPeers || kEarlyY;
+      uint4 yb[2];
+      if constexpr (kYFirst)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) yb[h] = fetch_y(h);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int tok = g + 8 * h, row = row_base + tok;
+        const bool valid = vec < W && row < T;
+        float yv[8];
+        bf16x8_to_float(kYFirst ? yb[h] : fetch_y(h), yv);
         float xf[kHC][8];
 #pragma unroll
         for (int i = 0; i < kHC; ++i) bf16x8_to_float(x[h][i], xf[i]);
