@@ -255,20 +255,20 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
         }
         return y;
       };
-      // Both tokens' y before any store: a store may alias y, so the compiler keeps a later load
-      // after it, and token g + 8's loads waited for token g's stores (one more round trip from
-      // T = 9 on, over NVLink for the peers' partials). Not for a local post_pre: 16 bytes spilled.
+      // Token g + 8's y is fetched before token g's stores: a store may alias y, so the compiler
+      // keeps a later load after it, and token g + 8's loads waited for them (one more round trip
+      // from T = 9 on, over NVLink for the peers' partials). Where registers allow, both before
+      // token g's mix; a local post_pre only after it (16 bytes spilled otherwise).
       constexpr bool kYFirst = kSrc == YSrc::kPeers || kEarlyY;
       uint4 yb[2];
-      if constexpr (kYFirst)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) yb[h] = fetch_y(h);
+      yb[0] = fetch_y(0);
+      if constexpr (kYFirst) yb[1] = fetch_y(1);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int tok = g + 8 * h, row = row_base + tok;
         const bool valid = vec < W && row < T;
         float yv[8];
-        bf16x8_to_float(kYFirst ? yb[h] : fetch_y(h), yv);
+        bf16x8_to_float(yb[h], yv);
         float xf[kHC][8];
 #pragma unroll
         for (int i = 0; i < kHC; ++i) bf16x8_to_float(x[h][i], xf[i]);
@@ -284,8 +284,13 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
             nv[e] = mix[j] * yv[e] + acc;
           }
           x[h][j] = float_to_bf16x8(nv);
-          if (valid && part == 0) *reinterpret_cast<uint4*>(a.new_stream + row * srow + (size_t)j * D + col) = x[h][j];
         }
+        if constexpr (!kYFirst)
+          if (h == 0) yb[1] = fetch_y(1);
+        if (valid && part == 0)
+#pragma unroll
+          for (int j = 0; j < kHC; ++j)
+            *reinterpret_cast<uint4*>(a.new_stream + row * srow + (size_t)j * D + col) = x[h][j];
       }
     }
 
