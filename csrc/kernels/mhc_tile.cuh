@@ -137,6 +137,22 @@ __device__ __forceinline__ void square_sums(float (&sqc)[2][4], const uint4& x0,
   mma_bf16_16816(sqc[1], a0, a1, a2, a3, a1, a3);
 }
 
+// The post's new stream j for one 8-column vector: bf16(post[j] * y + sum_i res[i][j] * x_i), the
+// sum in stream order. mix = post[4] | res[4][4] (res[i][j] at kHC + i * kHC + j). Both post
+// kernels use it, so a row is bitwise the same whichever runs it.
+__device__ __forceinline__ uint4 post_mix_vector(const float* mix, const float (&xf)[kHC][8], const float (&yv)[8],
+                                                 int j) {
+  float nv[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < kHC; ++i) acc += mix[kHC + i * kHC + j] * xf[i][e];
+    nv[e] = mix[j] * yv[e] + acc;
+  }
+  return float_to_bf16x8(nv);
+}
+
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead>
 __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
   constexpr int kRows = FnRows<kHead>::kRows;
@@ -272,19 +288,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
         float xf[kHC][8];
 #pragma unroll
         for (int i = 0; i < kHC; ++i) bf16x8_to_float(x[h][i], xf[i]);
-        const float* mix = s_mixin[tok];  // post[j] | res[i][j] at kHC + i * kHC + j
 #pragma unroll
-        for (int j = 0; j < kHC; ++j) {
-          float nv[8];
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            float acc = 0.f;
-#pragma unroll
-            for (int i = 0; i < kHC; ++i) acc += mix[kHC + i * kHC + j] * xf[i][e];
-            nv[e] = mix[j] * yv[e] + acc;
-          }
-          x[h][j] = float_to_bf16x8(nv);
-        }
+        for (int j = 0; j < kHC; ++j) x[h][j] = post_mix_vector(s_mixin[tok], xf, yv, j);
         if constexpr (!kYFirst)
           if (h == 0) yb[1] = fetch_y(1);
         if (valid && part == 0)
@@ -432,6 +437,36 @@ __global__ void __launch_bounds__(kThreads, 2) mhc_rows_kernel(const __grid_cons
     }
     mhc_rows<kSrc, kPost, kPre, kHead>(a, staged);
   }
+}
+
+// mhc_post alone at decode sizes (T <= kPostRowRows): a thread per 8-column vector of one token,
+// every load of it (4 stream vectors, y, the token's 20 mixes) in one round, then its 4 stores; no
+// shared memory, no barrier. The tile kernel runs a 16-token tile there (at T = 1, 4 of a warp's
+// 32 lanes work) and stages the mixes behind a CTA barrier. Grid (vector blocks, T).
+constexpr int kPostRowRows = 128;
+constexpr int kPostRowThreads = 128;
+
+static __global__ void __launch_bounds__(kPostRowThreads) mhc_post_row_kernel(const __grid_constant__ TileArgs a) {
+  const int row = blockIdx.y, v = blockIdx.x * kPostRowThreads + threadIdx.x;
+  if (v >= a.hidden >> 3) return;
+  const size_t D = a.hidden, col = (size_t)v * 8;
+  const __nv_bfloat16* x_row = a.stream + (size_t)row * kHC * D + col;
+  uint4 xv[kHC];
+#pragma unroll
+  for (int i = 0; i < kHC; ++i) xv[i] = *reinterpret_cast<const uint4*>(x_row + i * D);
+  const uint4 yw = *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col);
+  float mix[kMix - kHC];  // the same address across the block: one load per warp, broadcast
+#pragma unroll
+  for (int c = 0; c < kHC; ++c) mix[c] = __ldg(a.post_mix_in + row * kHC + c);
+#pragma unroll
+  for (int c = 0; c < kHC * kHC; ++c) mix[kHC + c] = __ldg(a.res_mix_in + row * kHC * kHC + c);
+  float xf[kHC][8], yv[8];
+#pragma unroll
+  for (int i = 0; i < kHC; ++i) bf16x8_to_float(xv[i], xf[i]);
+  bf16x8_to_float(yw, yv);
+#pragma unroll
+  for (int j = 0; j < kHC; ++j)
+    *reinterpret_cast<uint4*>(a.new_stream + (size_t)row * kHC * D + j * D + col) = post_mix_vector(mix, xf, yv, j);
 }
 
 // ---- Pass 2 (pres): coefficients, then the collapse of the stream (+ fused RMSNorm) into
