@@ -479,8 +479,8 @@ static __global__ void __launch_bounds__(kPostRowThreads) mhc_post_row_kernel(co
 
 // Coefficients of rows [row0, row0 + n), 1 <= n <= 8: each row's S partials summed in slice
 // order into s_m, then sigmoids / Sinkhorn on a quad of lanes per row into s_coef (pres also
-// write pre_mix, post_mix, res_mix). Warp 0 runs the quads in full (the shuffles name the whole
-// warp): rows n..7 are zeros and write nothing. Every thread calls it; it ends with a CTA barrier.
+// write pre_mix, post_mix, res_mix). Warp 0 runs all 8 quads: rows n..7 are zeros and write
+// nothing to global memory. Every thread calls it; it ends with a CTA barrier.
 template <bool kHead>
 __device__ __forceinline__ void collapse_coefficients(const TileArgs& a, int row0, int n,
                                                       float (*s_m)[FnRows<kHead>::kVals], float (*s_coef)[kMix]) {
@@ -516,7 +516,7 @@ __device__ __forceinline__ void collapse_coefficients(const TileArgs& a, int row
     if constexpr (kHead) {
       s_coef[r][i] = sigmoidf(s_m[r][i] * rr * s_scale[0] + s_base[i]) + a.eps.hc_eps;
     } else {
-      mhc_coefficients_quad(s_m[r], rr, s_scale, s_base, a.eps, i, s_coef[r]);
+      mhc_coefficients_row(s_m[r], rr, s_scale, s_base, a.eps, i, s_coef[r]);
       if (r < n && row < T) {
         a.pre_mix[row * kHC + i] = s_coef[r][i];
         a.post_mix[row * kHC + i] = s_coef[r][kHC + i];
