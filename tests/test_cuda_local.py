@@ -172,8 +172,9 @@ def test_deterministic_across_calls(mhc):
 @pytest.mark.parametrize("D", [4096, 7168])
 def test_rows_do_not_depend_on_T(mhc, D):
     """A row's outputs are bitwise the same whether it comes in a decode batch (pass 1 split over
-    the fn rows, pass 2 a CTA per row) or in a large one (staged fn, several tiles per CTA; pass 2
-    a warp per row): SP and TP agree, and so do padded and unpadded batches."""
+    the fn rows, pass 2 a CTA per row, a post alone a thread per vector) or in a large one (staged
+    fn, several tiles per CTA; pass 2 a warp per row): SP and TP agree, and so do padded and
+    unpadded batches."""
     T = 4099
     stream, site, _ = inputs(mhc, T, D)
     head = to_cuda(mhc.head(D))
@@ -184,7 +185,11 @@ def test_rows_do_not_depend_on_T(mhc, D):
     full_pre = ops.mhc_pre(stream, *pre_args)
     full_post_pre = ops.mhc_post_pre(y, stream, post_mix, res_mix, *pre_args)
     full_head = ops.mhc_head(stream, *head_args)
+    full_post = ops.mhc_post(y, stream, post_mix, res_mix)
+    assert torch.equal(full_post, full_post_pre[0]), "mhc_post vs mhc_post_pre's new stream"
     for t in (1, 8, 17, 64, 128, 129):
+        got = ops.mhc_post(y[:t], stream[:t], post_mix[:t], res_mix[:t])
+        assert torch.equal(got, full_post[:t]), f"mhc_post T={t}"
         for got, full in zip(ops.mhc_pre(stream[:t], *pre_args), full_pre, strict=True):
             assert torch.equal(got, full[:t]), f"mhc_pre T={t}"
         small = ops.mhc_post_pre(y[:t], stream[:t], post_mix[:t], res_mix[:t], *pre_args)

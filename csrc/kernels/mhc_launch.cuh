@@ -86,6 +86,14 @@ template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kGather>
 inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   const int T = a.num_tokens, D = a.hidden;
   if (T == 0) return cudaSuccess;
+  if constexpr (kSrc == YSrc::kLocal && kPost && !kPre) {
+    if (T <= kPostRowRows) {
+      if (debug_enabled()) std::fprintf(stderr, "spkernels: post row kernel T=%d D=%d\n", T, D);
+      const dim3 grid((D / 8 + kPostRowThreads - 1) / kPostRowThreads, T);
+      mhc_post_row_kernel<<<grid, kPostRowThreads, 0, stream>>>(a);
+      return cudaGetLastError();
+    }
+  }
   cudaError_t e;
   if (max_ctas <= 0 && (e = rows_max_ctas<kSrc, kPost, kPre, kHead>(D, &max_ctas)) != cudaSuccess) return e;
   const int num_tiles = (T + kTileTokens - 1) / kTileTokens;

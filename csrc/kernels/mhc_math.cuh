@@ -76,57 +76,63 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 __device__ __forceinline__ float fast_rcp(float x) { return __fdividef(1.0f, x); }
 __device__ __forceinline__ float sigmoidf(float x) { return fast_rcp(1.0f + __expf(-x)); }
 
-// Sum over the 4 lanes of a quad (lanes 4q..4q+3). The butterfly gives every lane the same
-// bits ((a+b)+(c+d) in every lane, by commutativity), which replicated ranks rely on.
-__device__ __forceinline__ float quad_sum(float v) {
-  v += __shfl_xor_sync(0xffffffffu, v, 1);
-  v += __shfl_xor_sync(0xffffffffu, v, 2);
-  return v;
-}
-
-// Per-token coefficients, one quad of lanes per token, lane i of the quad owning row i of the
-// Sinkhorn matrix. m: the 24 raw products (fn · x) of the token; r: its RMS factor, applied after
-// the product as SPEC.md §1 says. Writes coef[0:4] = pre, coef[4:8] = post and
-// coef[8 + 4i + j] = res[i][j] (source stream i -> destination stream j).
-__device__ __forceinline__ void mhc_coefficients_quad(const float* m, float r, const float* scale, const float* base,
-                                                      const MhcEps& eps, int i, float* coef) {
+// Per-token coefficients for row i of the Sinkhorn matrix (lane i of a quad calls it for i; every
+// lane computes the whole 4 x 4 matrix in registers, so the column sums need no shuffles: a quad's
+// shuffle butterflies were most of the 20 iterations' latency chain, with every other warp of the
+// CTA waiting at the next barrier). m: the 24 raw products (fn · x) of the token; r: its RMS
+// factor, applied after the product as SPEC.md §1 says. Writes coef[i] = pre, coef[4 + i] = post
+// and coef[8 + 4i + j] = res[i][j] (source stream i -> destination stream j). Sums: a row's in
+// column order; a column's (c0 + c1) + (c2 + c3), the same bits on every lane (and those of the
+// quad butterfly this replaced), which replicated ranks rely on.
+__device__ __forceinline__ void mhc_coefficients_row(const float* m, float r, const float* scale, const float* base,
+                                                     const MhcEps& eps, int i, float* coef) {
   coef[i] = sigmoidf(m[i] * r * scale[0] + base[i]) + eps.hc_eps;
   coef[kHC + i] = eps.post_alpha * sigmoidf(m[kHC + i] * r * scale[1] + base[kHC + i]);
-  float c[kHC];
-  float mx = -INFINITY;
+  float c[kHC][kHC];
 #pragma unroll
-  for (int j = 0; j < kHC; ++j) {
-    const int k = 2 * kHC + i * kHC + j;
-    c[j] = m[k] * r * scale[2] + base[k];
-    mx = fmaxf(mx, c[j]);
+  for (int q = 0; q < kHC; ++q) {  // softmax of each row
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kHC; ++j) {
+      const int k = 2 * kHC + q * kHC + j;
+      c[q][j] = m[k] * r * scale[2] + base[k];
+      mx = fmaxf(mx, c[q][j]);
+    }
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < kHC; ++j) {
+      c[q][j] = __expf(c[q][j] - mx);
+      s += c[q][j];
+    }
+    const float inv_s = fast_rcp(s);
+#pragma unroll
+    for (int j = 0; j < kHC; ++j) c[q][j] = c[q][j] * inv_s + eps.hc_eps;
   }
-  float s = 0.f;
-#pragma unroll
-  for (int j = 0; j < kHC; ++j) {
-    c[j] = __expf(c[j] - mx);
-    s += c[j];
-  }
-  const float inv_s = fast_rcp(s);
-#pragma unroll
-  for (int j = 0; j < kHC; ++j) c[j] = c[j] * inv_s + eps.hc_eps;
   // One column normalisation, then (iters - 1) x (rows, then columns).
   for (int it = 0; it < eps.sinkhorn_iters; ++it) {
     if (it > 0) {
-      float rs = 0.f;
 #pragma unroll
-      for (int j = 0; j < kHC; ++j) rs += c[j];
-      const float inv = fast_rcp(rs + eps.hc_eps);
+      for (int q = 0; q < kHC; ++q) {
+        float rs = 0.f;
 #pragma unroll
-      for (int j = 0; j < kHC; ++j) c[j] *= inv;
+        for (int j = 0; j < kHC; ++j) rs += c[q][j];
+        const float inv = fast_rcp(rs + eps.hc_eps);
+#pragma unroll
+        for (int j = 0; j < kHC; ++j) c[q][j] *= inv;
+      }
     }
-    float cs[kHC];
 #pragma unroll
-    for (int j = 0; j < kHC; ++j) cs[j] = quad_sum(c[j]);
+    for (int j = 0; j < kHC; ++j) {
+      const float inv = fast_rcp((c[0][j] + c[1][j]) + (c[2][j] + c[3][j]) + eps.hc_eps);
 #pragma unroll
-    for (int j = 0; j < kHC; ++j) c[j] *= fast_rcp(cs[j] + eps.hc_eps);
+      for (int q = 0; q < kHC; ++q) c[q][j] *= inv;
+    }
   }
 #pragma unroll
-  for (int j = 0; j < kHC; ++j) coef[2 * kHC + i * kHC + j] = c[j];
+  for (int q = 0; q < kHC; ++q)  // row i (a constant index keeps c in registers)
+    if (q == i)
+#pragma unroll
+      for (int j = 0; j < kHC; ++j) coef[2 * kHC + i * kHC + j] = c[q][j];
 }
 
 }  // namespace spk

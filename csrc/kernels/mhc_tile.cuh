@@ -137,6 +137,22 @@ __device__ __forceinline__ void square_sums(float (&sqc)[2][4], const uint4& x0,
   mma_bf16_16816(sqc[1], a0, a1, a2, a3, a1, a3);
 }
 
+// The post's new stream j for one 8-column vector: bf16(post[j] * y + sum_i res[i][j] * x_i), the
+// sum in stream order. mix = post[4] | res[4][4] (res[i][j] at kHC + i * kHC + j). Both post
+// kernels use it, so a row is bitwise the same whichever runs it.
+__device__ __forceinline__ uint4 post_mix_vector(const float* mix, const float (&xf)[kHC][8], const float (&yv)[8],
+                                                 int j) {
+  float nv[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < kHC; ++i) acc += mix[kHC + i * kHC + j] * xf[i][e];
+    nv[e] = mix[j] * yv[e] + acc;
+  }
+  return float_to_bf16x8(nv);
+}
+
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead>
 __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
   constexpr int kRows = FnRows<kHead>::kRows;
@@ -161,8 +177,12 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
   const int vec = warp * 4 + t;  // this thread's vector of the slice (per stream)
   const size_t col = (size_t)(v0 + vec) * 8;
 
-  // ---- A: every stream load of a tile issued at once; x[h][i] = token g + 8h, stream i.
-  uint4 x[2][kHC];
+  // ---- A: every stream load of a tile issued at once; x[h][i] = token g + 8h, stream i. A local
+  // post's y rows go out with them (yr[h]), not after the barrier that stages the tile's mixes:
+  // at decode sizes that was a second HBM round trip per call. Not for a post_pre: its pass 1
+  // has no registers to spare (128 with 4 bytes spilled).
+  constexpr bool kEarlyY = kPost && !kPre && kSrc == YSrc::kLocal;
+  uint4 x[2][kHC], yr[2];
   auto load_tile = [&](int row_base) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -172,6 +192,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
       for (int i = 0; i < kHC; ++i)
         x[h][i] = valid ? *reinterpret_cast<const uint4*>(a.stream + row * srow + (size_t)i * D + col)
                         : make_uint4(0, 0, 0, 0);
+      if constexpr (kEarlyY)
+        yr[h] = valid ? *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col) : make_uint4(0, 0, 0, 0);
     }
   };
   // The head reads x only in the mma phase: the next tile's loads go out right after it, into the
@@ -213,16 +235,15 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
         s_mixin[tok][c] = v;
       }
       __syncthreads();
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int tok = g + 8 * h, row = row_base + tok;
-        const bool valid = vec < W && row < T;
-        float yv[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        if (valid) {
+      // y of token g + 8h in bf16 (the peers' partials summed in rank order 0..tp-1, the same
+      // order on every rank, and rounded like the reference reduction); zeros outside the tile.
+      auto fetch_y = [&](int h) {
+        const int row = row_base + g + 8 * h;
+        uint4 y = make_uint4(0, 0, 0, 0);
+        if (vec < W && row < T) {
           if constexpr (kSrc == YSrc::kPeers) {
-            // Sum every rank's partial row in rank order 0..tp-1 (the same order on every
-            // rank), round to bf16 like the reference reduction, then mix.
             const size_t off = a.lsa.partial_offset + ((size_t)(a.lsa.partial_row0 + row) * D + col) * 2;
+            float yv[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             // Four peers' loads in flight at a time (fewer registers than all kMaxPeers).
 #pragma unroll
             for (int p0 = 0; p0 < kMaxPeers; p0 += 4) {
@@ -241,28 +262,40 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
                 for (int e = 0; e < 8; ++e) yv[e] += f[e];
               }
             }
-            bf16x8_to_float(float_to_bf16x8(yv), yv);
+            y = float_to_bf16x8(yv);
+          } else if constexpr (kEarlyY) {
+            y = yr[h];
           } else {
-            bf16x8_to_float(*reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col), yv);
+            y = *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col);
           }
         }
+        return y;
+      };
+      // Token g + 8's y is fetched before token g's stores: a store may alias y, so the compiler
+      // keeps a later load after it, and token g + 8's loads waited for them (one more round trip
+      // from T = 9 on, over NVLink for the peers' partials). Where registers allow, both before
+      // token g's mix; a local post_pre only after it (16 bytes spilled otherwise).
+      constexpr bool kYFirst = kSrc == YSrc::kPeers || kEarlyY;
+      uint4 yb[2];
+      yb[0] = fetch_y(0);
+      if constexpr (kYFirst) yb[1] = fetch_y(1);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int tok = g + 8 * h, row = row_base + tok;
+        const bool valid = vec < W && row < T;
+        float yv[8];
+        bf16x8_to_float(yb[h], yv);
         float xf[kHC][8];
 #pragma unroll
         for (int i = 0; i < kHC; ++i) bf16x8_to_float(x[h][i], xf[i]);
-        const float* mix = s_mixin[tok];  // post[j] | res[i][j] at kHC + i * kHC + j
 #pragma unroll
-        for (int j = 0; j < kHC; ++j) {
-          float nv[8];
+        for (int j = 0; j < kHC; ++j) x[h][j] = post_mix_vector(s_mixin[tok], xf, yv, j);
+        if constexpr (!kYFirst)
+          if (h == 0) yb[1] = fetch_y(1);
+        if (valid && part == 0)
 #pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            float acc = 0.f;
-#pragma unroll
-            for (int i = 0; i < kHC; ++i) acc += mix[kHC + i * kHC + j] * xf[i][e];
-            nv[e] = mix[j] * yv[e] + acc;
-          }
-          x[h][j] = float_to_bf16x8(nv);
-          if (valid && part == 0) *reinterpret_cast<uint4*>(a.new_stream + row * srow + (size_t)j * D + col) = x[h][j];
-        }
+          for (int j = 0; j < kHC; ++j)
+            *reinterpret_cast<uint4*>(a.new_stream + row * srow + (size_t)j * D + col) = x[h][j];
       }
     }
 
@@ -406,6 +439,36 @@ __global__ void __launch_bounds__(kThreads, 2) mhc_rows_kernel(const __grid_cons
   }
 }
 
+// mhc_post alone at decode sizes (T <= kPostRowRows): a thread per 8-column vector of one token,
+// every load of it (4 stream vectors, y, the token's 20 mixes) in one round, then its 4 stores; no
+// shared memory, no barrier. The tile kernel runs a 16-token tile there (at T = 1, 4 of a warp's
+// 32 lanes work) and stages the mixes behind a CTA barrier. Grid (vector blocks, T).
+constexpr int kPostRowRows = 128;
+constexpr int kPostRowThreads = 128;
+
+static __global__ void __launch_bounds__(kPostRowThreads) mhc_post_row_kernel(const __grid_constant__ TileArgs a) {
+  const int row = blockIdx.y, v = blockIdx.x * kPostRowThreads + threadIdx.x;
+  if (v >= a.hidden >> 3) return;
+  const size_t D = a.hidden, col = (size_t)v * 8;
+  const __nv_bfloat16* x_row = a.stream + (size_t)row * kHC * D + col;
+  uint4 xv[kHC];
+#pragma unroll
+  for (int i = 0; i < kHC; ++i) xv[i] = *reinterpret_cast<const uint4*>(x_row + i * D);
+  const uint4 yw = *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col);
+  float mix[kMix - kHC];  // the same address across the block: one load per warp, broadcast
+#pragma unroll
+  for (int c = 0; c < kHC; ++c) mix[c] = __ldg(a.post_mix_in + row * kHC + c);
+#pragma unroll
+  for (int c = 0; c < kHC * kHC; ++c) mix[kHC + c] = __ldg(a.res_mix_in + row * kHC * kHC + c);
+  float xf[kHC][8], yv[8];
+#pragma unroll
+  for (int i = 0; i < kHC; ++i) bf16x8_to_float(xv[i], xf[i]);
+  bf16x8_to_float(yw, yv);
+#pragma unroll
+  for (int j = 0; j < kHC; ++j)
+    *reinterpret_cast<uint4*>(a.new_stream + (size_t)row * kHC * D + j * D + col) = post_mix_vector(mix, xf, yv, j);
+}
+
 // ---- Pass 2 (pres): coefficients, then the collapse of the stream (+ fused RMSNorm) into
 // layer_input. Two kernels with bitwise-identical rows: mhc_collapse_kernel (8 rows per CTA, a
 // warp per row; large T) and mhc_collapse_row_kernel (a CTA per row, every load of the row in one
@@ -416,8 +479,8 @@ __global__ void __launch_bounds__(kThreads, 2) mhc_rows_kernel(const __grid_cons
 
 // Coefficients of rows [row0, row0 + n), 1 <= n <= 8: each row's S partials summed in slice
 // order into s_m, then sigmoids / Sinkhorn on a quad of lanes per row into s_coef (pres also
-// write pre_mix, post_mix, res_mix). Warp 0 runs the quads in full (the shuffles name the whole
-// warp): rows n..7 are zeros and write nothing. Every thread calls it; it ends with a CTA barrier.
+// write pre_mix, post_mix, res_mix). Warp 0 runs all 8 quads: rows n..7 are zeros and write
+// nothing to global memory. Every thread calls it; it ends with a CTA barrier.
 template <bool kHead>
 __device__ __forceinline__ void collapse_coefficients(const TileArgs& a, int row0, int n,
                                                       float (*s_m)[FnRows<kHead>::kVals], float (*s_coef)[kMix]) {
@@ -453,7 +516,7 @@ __device__ __forceinline__ void collapse_coefficients(const TileArgs& a, int row
     if constexpr (kHead) {
       s_coef[r][i] = sigmoidf(s_m[r][i] * rr * s_scale[0] + s_base[i]) + a.eps.hc_eps;
     } else {
-      mhc_coefficients_quad(s_m[r], rr, s_scale, s_base, a.eps, i, s_coef[r]);
+      mhc_coefficients_row(s_m[r], rr, s_scale, s_base, a.eps, i, s_coef[r]);
       if (r < n && row < T) {
         a.pre_mix[row * kHC + i] = s_coef[r][i];
         a.post_mix[row * kHC + i] = s_coef[r][kHC + i];
