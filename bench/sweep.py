@@ -132,10 +132,15 @@ def _probe_tokens(tp: int, D: int) -> int:
 
 def _probe_link(bench: Bench, comm, tp: int, D: int, T: int, device, floors: dict) -> None:
     """Peak link bandwidth: bytes received per rank / time of an all-gather of [T, D] bf16, by the LSA
-    ``sp_all_gather`` (when the backend is lsa) and by torch.distributed's all-gather."""
+    all-gather kernel alone (pull) and its push twin (``_lsa_link_probe``, when the backend is lsa),
+    by ``sp_all_gather`` (that kernel after two local staging copies) and by torch.distributed's
+    all-gather."""
     x_local = torch.randn((T // tp, D), device=device).to(torch.bfloat16)
     variants = {}
     if comm.backend == "lsa":
+        probe, block = torch.ops.spkernels._lsa_link_probe, T // tp * D * 2
+        variants["lsa_pull"] = lambda i: probe(comm.handle, block, False)
+        variants["lsa_push"] = lambda i: probe(comm.handle, block, True)
         variants["sp_all_gather(lsa)"] = lambda i: torch.ops.spkernels.sp_all_gather(x_local, T, comm.handle)
     full = x_local.new_empty((T, D))
     name = f"all_gather_into_tensor({dist.get_backend(comm.group)})"
@@ -143,8 +148,8 @@ def _probe_link(bench: Bench, comm, tp: int, D: int, T: int, device, floors: dic
     times, errors = bench.measure(variants, 1, graph=False)
     received = (tp - 1) / tp * T * D * 2
     bws = {k: received / t / 1e3 for k, t in times.items()}
-    # Peak = the faster probe: sp_all_gather also stages x_local twice locally, so on a bad day NCCL's
-    # all-gather can pull faster, and a floor must never be set by the slower of two ways to move bytes.
+    # Peak = the fastest probe (SPEC.md §7: the measured peak LSA bandwidth; DEVICE_NOTES: a plain
+    # push beats a pull): a floor must never be set by the slower of two ways to move bytes.
     pick = max(bws, key=bws.get, default=None)
     floors["link_GBps"][str(tp)] = bws.get(pick)
     floors["link_probe"][str(tp)] = {"used": pick, "T": T, "D": D, "GBps": bws, "errors": errors}

@@ -63,5 +63,6 @@ TORCH_LIBRARY(spkernels, m) {
       &spk::comm_create);
   m.def("_comm_destroy(int handle) -> ()", &spk::comm_destroy);
   m.def("_comm_partial_buffer(int handle, int num_tokens) -> Tensor", &spk::comm_partial_buffer);
+  m.def("_lsa_link_probe(int handle, int bytes, bool push) -> ()", &spk::lsa_link_probe);
 #endif
 }

@@ -291,6 +291,40 @@ def test_gather_protocol_back_to_back(T, D):
     run_distributed(2, _gather_race_worker, T, D, backend="nccl", timeout=600)
 
 
+def _link_probe_worker(rank, world_size):
+    """The bench's link probe (`_lsa_link_probe`: the all-gather kernel alone, or its push twin) runs
+    on every rank, names a bad byte count, leaves the gather regions usable (sp_all_gather exact
+    after it) and refuses the nccl backend."""
+    import spkernels
+
+    T, D = 256, 512
+    probe = torch.ops.spkernels._lsa_link_probe
+    os.environ["SPK_FUSED"] = "1"
+    with spkernels.Communicator(max_tokens=T, hidden_size=D) as comm:
+        assert comm.backend == "lsa", comm.backend
+        block = T // world_size * D * 2  # the largest: tp blocks fill the gather region
+        for push in (False, True, False):
+            probe(comm.handle, block, push)
+        x = torch.randn(T // world_size, D, device="cuda").to(torch.bfloat16)
+        want = torch.empty(T, D, device="cuda", dtype=torch.bfloat16)
+        dist.all_gather_into_tensor(want, x)
+        assert torch.equal(torch.ops.spkernels.sp_all_gather(x, T, comm.handle), want)
+        for bad in (0, 24, block + 16):
+            with pytest.raises(RuntimeError, match="bytes must be a positive multiple of 16"):
+                probe(comm.handle, bad, False)
+        torch.cuda.synchronize()
+    os.environ["SPK_FUSED"] = "0"
+    with spkernels.Communicator(max_tokens=T, hidden_size=D) as comm:
+        with pytest.raises(RuntimeError, match="needs the lsa backend"):
+            probe(comm.handle, 1024, False)
+    os.environ["SPK_FUSED"] = "1"
+    return True
+
+
+def test_link_probe():
+    run_distributed(2, _link_probe_worker, backend="nccl", timeout=120)
+
+
 def _bad_input_worker(rank, world_size):
     import spkernels
 

@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "kernels/lsa_gather.cuh"
+#include "ops/build_info.h"
 #include "ops/comm.h"
 #include "ops/mhc_ops.h"
 
@@ -170,7 +171,7 @@ Tensor sp_all_gather_cuda(const Tensor& x_local, int64_t num_tokens, int64_t com
   if (c.lsa && bytes * c.world <= c.region_bytes()) {
     char* staged = static_cast<char*>(c.buffer) + c.gather_offset() + c.rank * bytes;
     SPK_CUDA_CHECK(cudaMemcpyAsync(staged, x_local.data_ptr(), bytes, cudaMemcpyDeviceToDevice, st));
-    lsa_all_gather_kernel<<<lsa_all_gather_grid(bytes, c.max_ctas), kGatherThreads, 0, st>>>(
+    lsa_all_gather_kernel<false><<<lsa_all_gather_grid(bytes, c.max_ctas), kGatherThreads, 0, st>>>(
         c.window, c.gather_offset(), bytes, c.rank, c.world, c.barrier, static_cast<char*>(full.data_ptr()));
     SPK_CUDA_CHECK(cudaGetLastError());
   } else {
@@ -216,6 +217,28 @@ PostPreOut mhc_post_pre_ar_cuda(const Tensor& partial, const Tensor& stream, con
                    make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha), stream.size(0));
   run_mhc<YSrc::kPeers, true, true, false, false>(a, c.max_ctas);
   return {new_stream, li, post, res, pre};
+}
+
+void lsa_link_probe(int64_t handle, int64_t bytes, bool push) {
+  CommState& c = get_comm(handle);
+  check_barrier(c);
+  SPK_CHECK(c.lsa, "_lsa_link_probe needs the lsa backend, comm ", handle, " runs nccl");
+  SPK_CHECK(bytes > 0 && bytes % 16 == 0 && (size_t)bytes * c.world <= c.region_bytes(),
+            "bytes must be a positive multiple of 16 with tp * bytes <= the gather region (", c.region_bytes(),
+            " bytes), got ", bytes);
+  const c10::cuda::CUDAGuard guard(c.device);
+  // Pull: the peers' blocks land here; push: this rank's block (any contents) goes out from here.
+  Tensor scratch = at::empty({bytes * c.world}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, c.device));
+  const int grid = lsa_all_gather_grid(bytes, c.max_ctas);
+  cudaStream_t st = c10::cuda::getCurrentCUDAStream();
+  char* out = static_cast<char*>(scratch.data_ptr());
+  if (push)
+    lsa_all_gather_kernel<true>
+        <<<grid, kGatherThreads, 0, st>>>(c.window, c.gather_offset(), bytes, c.rank, c.world, c.barrier, out);
+  else
+    lsa_all_gather_kernel<false>
+        <<<grid, kGatherThreads, 0, st>>>(c.window, c.gather_offset(), bytes, c.rank, c.world, c.barrier, out);
+  SPK_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace spk
