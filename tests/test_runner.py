@@ -8,13 +8,14 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 from distributed import run_distributed
 from spkernels.policy import SPPolicy
-from spkernels.runner import Request, RunOptions, compare, plan, schedule, worker
+from spkernels.runner import Engine, Model, Request, RunOptions, compare, plan, random_weights, schedule, worker
 from spkernels.runner import profile as profile_mod
 from spkernels.runner import weights as weights_mod
 from torch.autograd import DeviceType
@@ -241,6 +242,21 @@ def test_profile_coverage_counts_overlaps_once():
     assert line.startswith("profile (rank 0, covered): mHC 1.60 ms (62%)") and line.endswith(
         "GPU busy 2.60 ms"
     ), line
+
+
+def test_step_clock_starts_after_the_ranks_meet():
+    """Each step calls meet once, before its clock starts: a rank's wait for lagging peers is not
+    counted as the step's time."""
+    p = plan(options(prompt_lens=(3, 5), gen=3))
+    model = Model(p.config, random_weights(p.config, 0, torch.device("cpu")), "cpu", None, 2, p.kv_len)
+    calls = []
+    engine = Engine(model, p.policy, 64, meet=lambda: (calls.append(1), time.sleep(0.5)))
+    engine.generate(p.prompts, 3)  # first-call costs (a CPU prefill's first step took 0.8 s)
+    calls.clear()
+    engine.steps.clear()
+    engine.generate(p.prompts, 3)
+    assert len(calls) == len(engine.steps) == 3
+    assert all(step.seconds < 0.5 for step in engine.steps), engine.steps
 
 
 def test_schedule_decode_first_within_budget():

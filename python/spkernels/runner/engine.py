@@ -122,6 +122,7 @@ class Engine:
         log=None,
         microbatches: int = 1,
         microbatch_min_tokens: int = MICROBATCH_MIN_TOKENS,
+        meet=None,
     ):
         if policy.tp_size != model.tp_size:
             raise ValueError(f"policy.tp_size = {policy.tp_size} but the model runs on tp = {model.tp_size}")
@@ -136,6 +137,11 @@ class Engine:
         self.model, self.policy, self.max_tokens_per_step = model, policy, max_tokens_per_step
         self.microbatches, self.microbatch_min_tokens = microbatches, microbatch_min_tokens
         self.device = model.device
+        # Where a step's clock starts: every rank's device drained and the ranks met (launch passes
+        # one for a distributed model), else this device drained. Without the meeting a rank that
+        # ended its last step early counts its peers' lag as its own time (its first collective
+        # waits for them).
+        self.meet = meet or self._sync
         self.record_logits, self.check_graphs, self.log = record_logits, check_graphs, log
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Batch, torch.Tensor]] = {}
         self.graph_max_diff = 0.0
@@ -265,7 +271,7 @@ class Engine:
             use_sp, graph = self.policy.use_sp(padded), decode and padded in self.graphs
             forwards.append((ForwardInfo(len(self.steps), num_tokens, padded, use_sp, graph, decode), group))
         m = self.model
-        self._sync()
+        self.meet()
         begin = time.perf_counter()
         # A later stage posts every forward's receive first: microbatch k + 1's activations then
         # arrive while it computes microbatch k (and the stage before it computes k + 2).

@@ -225,6 +225,8 @@ def _generate(
         log=log,
         microbatches=microbatches,
         microbatch_min_tokens=opts.microbatch_min_tokens,
+        # a distributed model's steps start with its ranks met (not rank 0's lone --check reference)
+        meet=_sync_ranks if model.comm is not None or model.stage is not None else None,
     )
     if graphs:
         engine.capture(min(len(plan_.prompts), opts.max_tokens_per_step))
