@@ -15,7 +15,17 @@ import pytest
 import torch
 from distributed import run_distributed
 from spkernels.policy import SPPolicy
-from spkernels.runner import Engine, Model, Request, RunOptions, compare, plan, random_weights, schedule, worker
+from spkernels.runner import (
+    Engine,
+    Model,
+    Request,
+    RunOptions,
+    compare,
+    plan,
+    random_weights,
+    schedule,
+    worker,
+)
 from spkernels.runner import profile as profile_mod
 from spkernels.runner import weights as weights_mod
 from torch.autograd import DeviceType
