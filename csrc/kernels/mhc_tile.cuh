@@ -444,7 +444,7 @@ __global__ void __launch_bounds__(kThreads, 2) mhc_rows_kernel(const __grid_cons
 // shared memory, no barrier. The tile kernel runs a 16-token tile there (at T = 1, 4 of a warp's
 // 32 lanes work) and stages the mixes behind a CTA barrier. Grid (vector blocks, T).
 constexpr int kPostRowRows = 128;
-constexpr int kPostRowThreads = 128;
+constexpr int kPostRowThreads = 64;
 
 static __global__ void __launch_bounds__(kPostRowThreads) mhc_post_row_kernel(const __grid_constant__ TileArgs a) {
   const int row = blockIdx.y, v = blockIdx.x * kPostRowThreads + threadIdx.x;
