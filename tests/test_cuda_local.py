@@ -187,9 +187,15 @@ def test_rows_do_not_depend_on_T(mhc, D):
     full_head = ops.mhc_head(stream, *head_args)
     full_post = ops.mhc_post(y, stream, post_mix, res_mix)
     assert torch.equal(full_post, full_post_pre[0]), "mhc_post vs mhc_post_pre's new stream"
+
+    def misaligned(x):  # contiguous, one float past a 16-byte boundary (the mixes may be such views)
+        return torch.empty(x.numel() + 4, device=x.device)[1 : 1 + x.numel()].view(x.shape).copy_(x)
+
     for t in (1, 8, 17, 64, 128, 129):
         got = ops.mhc_post(y[:t], stream[:t], post_mix[:t], res_mix[:t])
         assert torch.equal(got, full_post[:t]), f"mhc_post T={t}"
+        got = ops.mhc_post(y[:t], stream[:t], misaligned(post_mix[:t]), misaligned(res_mix[:t]))
+        assert torch.equal(got, full_post[:t]), f"mhc_post T={t}, misaligned mixes"
         for got, full in zip(ops.mhc_pre(stream[:t], *pre_args), full_pre, strict=True):
             assert torch.equal(got, full[:t]), f"mhc_pre T={t}"
         small = ops.mhc_post_pre(y[:t], stream[:t], post_mix[:t], res_mix[:t], *pre_args)
