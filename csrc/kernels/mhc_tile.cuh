@@ -442,7 +442,9 @@ __global__ void __launch_bounds__(kThreads, 2) mhc_rows_kernel(const __grid_cons
 // mhc_post alone at decode sizes (T <= kPostRowRows): a thread per 8-column vector of one token,
 // every load of it (4 stream vectors, y, the token's 20 mixes) in one round, then its 4 stores; no
 // shared memory, no barrier. The tile kernel runs a 16-token tile there (at T = 1, 4 of a warp's
-// 32 lanes work) and stages the mixes behind a CTA barrier. Grid (vector blocks, T).
+// 32 lanes work) and stages the mixes behind a CTA barrier. Grid (vector blocks, T); blocks of 64
+// threads spread a decode token over more SMs (T = 1, D = 4096: 8 CTAs; 5-8% faster than 128 at
+// T <= 8, the same from T = 16 on: bench/results/ab_postvec_2026-11-30.txt).
 constexpr int kPostRowRows = 128;
 constexpr int kPostRowThreads = 64;
 
