@@ -259,11 +259,12 @@ def test_step_clock_starts_after_the_ranks_meet():
     counted as the step's time."""
     p = plan(options(prompt_lens=(3, 5), gen=3))
     model = Model(p.config, random_weights(p.config, 0, torch.device("cpu")), "cpu", None, 2, p.kv_len)
-    calls = []
-    engine = Engine(model, p.policy, 64, meet=lambda: (calls.append(1), time.sleep(0.5)))
+    calls, pause = [], [0.0]
+    engine = Engine(model, p.policy, 64, meet=lambda: (calls.append(1), time.sleep(pause[0])))
     engine.generate(p.prompts, 3)  # first-call costs (a CPU prefill's first step took 0.8 s)
     calls.clear()
     engine.steps.clear()
+    pause[0] = 0.5
     engine.generate(p.prompts, 3)
     assert len(calls) == len(engine.steps) == 3
     assert all(step.seconds < 0.5 for step in engine.steps), engine.steps
