@@ -8,8 +8,10 @@
 # by scripts/ab_trees.sh, carried along), built in place while this tree builds; ab_<name>.json
 # each, compared by scripts/ab_table.py. AB_TESTS="<pytest args>": first run those tests on each
 # .ab tree (its own build and tests) and print their summary line, to place a failure in a stack.
-# PROFILE_KERNELS="T:kernel ..." picks the targets of profile's ncu --set full; PROFILE_DURATIONS=0
-# skips its per-kernel durations.
+# PROFILE_KERNELS="T:kernel ..." picks the targets of profile's ncu --set full (none: no such report);
+# PROFILE_T="T,..." the sizes of its per-kernel durations (PROFILE_DURATIONS=0 skips them);
+# PROFILE_CACHE=none keeps the caches warm between those kernels (ncu flushes them by default);
+# PROFILE_SP=0 skips its fused-boundary timeline.
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/spk_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
@@ -115,6 +117,7 @@ if want profile && fits 90 profile; then
   # spkernels kernel's duration at T = 8, 64, 8192 (caches flushed between kernels, as ncu does).
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   for spec in ${PROFILE_KERNELS:-8192:mhc_rows_kernel 8:mhc_collapse_kernel}; do
+    [[ $spec == none ]] && continue
     T=${spec%%:*}; kernel=${spec#*:}
     echo "===== ncu --set full: $kernel at T = $T" >> "$OUT/ncu_profile.txt"
     rep=/tmp/ncu_${kernel}_$T
@@ -126,16 +129,20 @@ if want profile && fits 90 profile; then
     "$ncu" -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.sass.csv" 2>&1
     python3 scripts/ncu_summary.py "$rep.raw.csv" "$rep.sass.csv" >> "$OUT/ncu_profile.txt" 2>&1
   done
-  tar czf "$OUT/ncu_csv.tgz" -C /tmp $(cd /tmp && ls ncu_*.csv 2>/dev/null)
+  csvs=$(cd /tmp && ls ncu_*.csv 2>/dev/null)
+  [[ -n $csvs ]] && tar czf "$OUT/ncu_csv.tgz" -C /tmp $csvs
   if [[ ${PROFILE_DURATIONS:-1} != 0 ]]; then
     echo "===== durations (ns)" >> "$OUT/ncu_profile.txt"
-    timeout 120 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
-      python3 scripts/profile_tile.py --T 8,64,8192 --ops pre,post_pre,head 2>&1 | grep "spk::" \
+    timeout 120 "$ncu" --clock-control none --cache-control "${PROFILE_CACHE:-all}" --metrics gpu__time_duration.sum --csv \
+      python3 scripts/profile_tile.py --T "${PROFILE_T:-8,64,8192}" --ops pre,post_pre,head 2>&1 | grep "spk::" \
       | awk -F'","' '{print $5, $NF}' | sed 's/"$//' >> "$OUT/ncu_profile.txt"
+    sed -n '/===== durations/,$p' "$OUT/ncu_profile.txt" | head -120
   fi
   # The fused boundaries across the GPUs: each kernel's duration and the gaps between them.
-  echo "===== fused boundaries (torch.profiler)" >> "$OUT/ncu_profile.txt"
-  timeout 120 python3 scripts/profile_sp.py --T 8,64,8192 >> "$OUT/ncu_profile.txt" 2>&1
+  if [[ ${PROFILE_SP:-1} != 0 ]]; then
+    echo "===== fused boundaries (torch.profiler)" >> "$OUT/ncu_profile.txt"
+    timeout 120 python3 scripts/profile_sp.py --T 8,64,8192 >> "$OUT/ncu_profile.txt" 2>&1
+  fi
   grep -E "^=====|Duration|Registers Per|Achieved Occupancy|DRAM Throughput" "$OUT/ncu_profile.txt" | head -20
   sed -n '/^warp stall reasons/,/^=====/p' "$OUT/ncu_profile.txt" | head -50
   sed -n '/===== fused boundaries/,$p' "$OUT/ncu_profile.txt" | grep -v USDT | head -60
