@@ -56,7 +56,8 @@ if want test && fits 120 test; then
   grep -A2 "hang detection" "$OUT/pytest_gpu.log" | head -12
 fi
 if want bench && fits 90 bench; then
-  timeout $(( $(left) < ${BENCH_TIMEOUT:-420} ? $(left) : ${BENCH_TIMEOUT:-420} )) python3 bench/collectives.py ${BENCH_ARGS:---quick} --out "$OUT" 2>&1 | tail -60
+  eval "bench_args=(${BENCH_ARGS:---quick})"  # shell words: quotes as typed (--ref-D '')
+  timeout $(( $(left) < ${BENCH_TIMEOUT:-420} ? $(left) : ${BENCH_TIMEOUT:-420} )) python3 bench/collectives.py "${bench_args[@]}" --out "$OUT" 2>&1 | tail -60
 fi
 if want ab && fits 60 ab; then
   wait  # the trees' builds
