@@ -79,7 +79,6 @@ constexpr int kSliceVecs = 32;         // 16-byte vectors per stream in a slice:
 constexpr int kCollapseRows = kWarps;  // pass 2: one warp per row
 constexpr int kWsBatch = 16;           // pass 2: workspace partials loaded at once per value
 constexpr int kCollapseBatch = 4;      // pass 2: 16-byte vectors per lane and stream loaded at once
-constexpr int kRowCollapseRows = 128;  // pass 2: a CTA per row up to this many rows (~1 per SM)
 
 __host__ __device__ inline int row_slices(int hidden) { return (hidden / 8 + kSliceVecs - 1) / kSliceVecs; }
 
