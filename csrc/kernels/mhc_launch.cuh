@@ -26,9 +26,9 @@ inline size_t rows_smem_bytes(int hidden) {
   return kPre ? fn_smem_bytes<kHead>(hidden) : 0;
 }
 
-// CTAs of `kernel` (kThreads each, `smem` bytes of dynamic shared memory) that fit on the device
+// CTAs of `kernel` (`threads` each, `smem` bytes of dynamic shared memory) that fit on the device
 // at once, cached per device, kernel and smem size.
-inline cudaError_t resident_ctas(const void* kernel, size_t smem, int* out) {
+inline cudaError_t resident_ctas(const void* kernel, int threads, size_t smem, int* out) {
   static std::mutex mu;
   static std::map<std::tuple<int, const void*, size_t>, int> cache;
   int device = 0, sms = 0, per_sm = 0;
@@ -40,7 +40,7 @@ inline cudaError_t resident_ctas(const void* kernel, size_t smem, int* out) {
     return cudaSuccess;
   }
   if ((e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) != cudaSuccess ||
-      (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem)) != cudaSuccess ||
+      (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem)) != cudaSuccess ||
       (e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess)
     return e;
   cache[{device, kernel, smem}] = *out = per_sm * sms;
@@ -50,7 +50,7 @@ inline cudaError_t resident_ctas(const void* kernel, size_t smem, int* out) {
 // Pass-1 CTAs of this variant that fit on the device at once.
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead>
 inline cudaError_t rows_max_ctas(int hidden, int* out) {
-  return resident_ctas((const void*)mhc_rows_kernel<kSrc, kPost, kPre, kHead>,
+  return resident_ctas((const void*)mhc_rows_kernel<kSrc, kPost, kPre, kHead>, kThreads,
                        rows_smem_bytes<kSrc, kPost, kPre, kHead>(hidden), out);
 }
 
@@ -68,7 +68,7 @@ inline cudaError_t collapse_plan(const TileArgs& a, void (**row)(TileArgs), bool
                                 : nullptr;
   int resident = 0;
   if (*row == nullptr) return cudaErrorInvalidValue;
-  if (cudaError_t e = resident_ctas((const void*)*row, 0, &resident); e != cudaSuccess) return e;
+  if (cudaError_t e = resident_ctas((const void*)*row, kPass2Threads, 0, &resident); e != cudaSuccess) return e;
   *by_row = a.num_tokens + extra <= resident;
   return cudaSuccess;
 }
@@ -79,14 +79,14 @@ inline cudaError_t launch_collapse(const TileArgs& a, cudaStream_t stream) {
   void (*row)(TileArgs) = nullptr;
   bool by_row = false;
   if (cudaError_t e = collapse_plan<kHead, kGather>(a, &row, &by_row); e != cudaSuccess) return e;
-  if (by_row) return launch_dependent(row, T + extra, kThreads, 0, stream, a);
+  if (by_row) return launch_dependent(row, T + extra, kPass2Threads, 0, stream, a);
   const size_t smem = !kHead && a.norm_weight != nullptr ? (size_t)kCollapseRows * D * 2 : 0;
   const void* kernel = (const void*)mhc_collapse_kernel<kHead, kGather>;
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
       e != cudaSuccess)
     return e;
   return launch_dependent(mhc_collapse_kernel<kHead, kGather>, (T + kCollapseRows - 1) / kCollapseRows + extra,
-                          kThreads, smem, stream, a);
+                          kPass2Threads, smem, stream, a);
 }
 
 // The whole op: pass 1, pass 2 for a pre, and in SP mode the copy-in kernel that completes the
