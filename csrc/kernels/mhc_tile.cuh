@@ -732,7 +732,8 @@ __global__ void __launch_bounds__(kPass2Threads) mhc_collapse_kernel(const __gri
 // memory round trip overlaps the partials' sum; warp 8 is the coefficient warp. The norm's sum
 // goes through shared memory in the warp kernel's order.
 template <bool kHead, bool kGather, int kV>
-__global__ void __launch_bounds__(kPass2Threads, kV >= 4 ? 1 : 3) mhc_collapse_row_kernel(const __grid_constant__ TileArgs a) {
+__global__ void __launch_bounds__(kPass2Threads) __maxnreg__(kV >= 4 ? 112 : 72)
+    mhc_collapse_row_kernel(const __grid_constant__ TileArgs a) {
   __shared__ float s_m[kCollapseRows][FnRows<kHead>::kVals];
   __shared__ float s_coef[kCollapseRows][kHC];
   __shared__ float s_sq[kV * kThreads];  // per-vector sums of squares
