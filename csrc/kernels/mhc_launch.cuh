@@ -56,19 +56,22 @@ inline cudaError_t rows_max_ctas(int hidden, int* out) {
 
 // Pass 2 of a pre: a CTA per row while every row's CTA fits on the device at once (each row's
 // loads in one round, the rows side by side: ncu at D = 4096, T = 128 7.4 us, while the warp kernel
-// took 12.5 at T = 256 on a quarter of the SMs), else a warp per row (8 rows per CTA). Both give
+// took 12.5 at T = 256 on a quarter of the SMs), else a warp per row (7 rows per CTA). Both give
 // the same bits (mhc_tile.cuh). With a.exit_barrier (TP) one more CTA than the rows need: it does
 // the exit barrier alone. *row: the row kernel for D (null if D > 8192: the ops check it first).
 template <bool kHead, bool kGather>
 inline cudaError_t collapse_plan(const TileArgs& a, void (**row)(TileArgs), bool* by_row) {
   const int nvec = a.hidden / 8, extra = a.exit_barrier ? 1 : 0;
-  *row = nvec <= kThreads       ? mhc_collapse_row_kernel<kHead, kGather, 1>
-         : nvec <= 2 * kThreads ? mhc_collapse_row_kernel<kHead, kGather, 2>
-         : nvec <= 4 * kThreads ? mhc_collapse_row_kernel<kHead, kGather, 4>
-                                : nullptr;
+  constexpr int kC = kCollapseThreads;
+  *row = nvec <= kC       ? mhc_collapse_row_kernel<kHead, kGather, 1>
+         : nvec <= 2 * kC ? mhc_collapse_row_kernel<kHead, kGather, 2>
+         : nvec <= 3 * kC ? mhc_collapse_row_kernel<kHead, kGather, 3>
+         : nvec <= 4 * kC ? mhc_collapse_row_kernel<kHead, kGather, 4>
+         : nvec <= 5 * kC ? mhc_collapse_row_kernel<kHead, kGather, 5>
+                          : nullptr;
   int resident = 0;
   if (*row == nullptr) return cudaErrorInvalidValue;
-  if (cudaError_t e = resident_ctas((const void*)*row, kPass2Threads, 0, &resident); e != cudaSuccess) return e;
+  if (cudaError_t e = resident_ctas((const void*)*row, kThreads, 0, &resident); e != cudaSuccess) return e;
   *by_row = a.num_tokens + extra <= resident;
   return cudaSuccess;
 }
@@ -79,14 +82,14 @@ inline cudaError_t launch_collapse(const TileArgs& a, cudaStream_t stream) {
   void (*row)(TileArgs) = nullptr;
   bool by_row = false;
   if (cudaError_t e = collapse_plan<kHead, kGather>(a, &row, &by_row); e != cudaSuccess) return e;
-  if (by_row) return launch_dependent(row, T + extra, kPass2Threads, 0, stream, a);
+  if (by_row) return launch_dependent(row, T + extra, kThreads, 0, stream, a);
   const size_t smem = !kHead && a.norm_weight != nullptr ? (size_t)kCollapseRows * D * 2 : 0;
   const void* kernel = (const void*)mhc_collapse_kernel<kHead, kGather>;
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
       e != cudaSuccess)
     return e;
   return launch_dependent(mhc_collapse_kernel<kHead, kGather>, (T + kCollapseRows - 1) / kCollapseRows + extra,
-                          kPass2Threads, smem, stream, a);
+                          kThreads, smem, stream, a);
 }
 
 // The whole op: pass 1, pass 2 for a pre, and in SP mode the copy-in kernel that completes the

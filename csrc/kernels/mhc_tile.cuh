@@ -11,7 +11,7 @@
 //       (and NVLink) speed. At decode sizes (tiles x slices x 3 fit in one wave) CTA (g, s, p)
 //       computes only fn rows 8p..8p+7 (a = 3 parts): three times the CTAs, each loading a third
 //       of fn, with every sum bitwise unchanged (each row's mma chain is the same).
-// 2. mhc_collapse_kernel / mhc_collapse_row_kernel (pres only; 8 rows per CTA and a warp per row,
+// 2. mhc_collapse_kernel / mhc_collapse_row_kernel (pres only; 7 rows per CTA and a warp per row,
 //    or at decode sizes a CTA per row): sums each row's S partials in slice order, computes the
 //    coefficients (sigmoids, Sinkhorn; one quad of lanes per row), collapses the stream
 //    (+ fused RMSNorm) and writes layer_input; in SP mode it also stores each row straight into
@@ -75,10 +75,12 @@ struct FnRows {
   static constexpr int kVals = kRows + 1;
 };
 
-constexpr int kSliceVecs = 32;         // 16-byte vectors per stream in a slice: one group of 4 per warp
-constexpr int kCollapseRows = kWarps;  // pass 2: one warp per row
-constexpr int kWsBatch = 16;           // pass 2: workspace partials loaded at once per value
-constexpr int kCollapseBatch = 4;      // pass 2: 16-byte vectors per lane and stream loaded at once
+constexpr int kSliceVecs = 32;                        // 16-byte vectors per stream in a slice: one group of 4 per warp
+constexpr int kCollapseRows = kWarps - 1;             // pass 2: one warp per row, and the coefficient warp
+constexpr int kCollapseThreads = kCollapseRows * 32;  // pass 2's collapse threads (warps 0..6)
+constexpr int kQuadRows = 8;                          // rows of the coefficient warp's quads
+constexpr int kWsBatch = 16;                          // pass 2: workspace partials loaded at once per value
+constexpr int kCollapseBatch = 4;                     // pass 2: 16-byte vectors per lane and stream loaded at once
 
 __host__ __device__ inline int row_slices(int hidden) { return (hidden / 8 + kSliceVecs - 1) / kSliceVecs; }
 
@@ -487,15 +489,13 @@ static __global__ void __launch_bounds__(kPostRowThreads) mhc_post_row_kernel(co
 }
 
 // ---- Pass 2 (pres): coefficients, then the collapse of the stream (+ fused RMSNorm) into
-// layer_input. Two kernels with bitwise-identical rows: mhc_collapse_kernel (8 rows per CTA, a
+// layer_input. Two kernels with bitwise-identical rows: mhc_collapse_kernel (7 rows per CTA, a
 // warp per row; large T) and mhc_collapse_row_kernel (a CTA per row, every load of the row in one
 // round; decode sizes, where the warp-per-row kernel runs ~4 serial load rounds on few CTAs).
 // Rounding and summation orders shared by both: y = fma chain over the streams in stream order,
 // rounded to bf16; a vector's 8 squares summed by fma in element order; vector v's sum added to
 // lane (v % 32)'s partial in increasing v; the 32 partials by the xor butterfly.
 
-// Pass 2's CTAs: the collapse threads (kThreads, warps 0..7) and one coefficient warp (warp 8).
-constexpr int kPass2Threads = kThreads + 32;
 enum : int { kBarCoef = 1, kBarNorm = 2 };  // named barriers (0 is __syncthreads)
 
 __device__ __forceinline__ void bar_arrive(int id, int count) {
@@ -505,7 +505,7 @@ __device__ __forceinline__ void bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
-// Coefficients of rows [row0, row0 + n), 1 <= n <= 8. Every thread sums part of each row's S
+// Coefficients of rows [row0, row0 + n), 1 <= n <= 7. Every thread sums part of each row's S
 // partials (in slice order) into s_m; then the coefficient warp, a quad of lanes per row (rows
 // n..7 are zeros and write nothing to global memory), puts the collapse weights in s_coef and
 // releases the collapse threads (kBarCoef), and only then computes and writes a pre's post weights
@@ -520,7 +520,7 @@ __device__ __forceinline__ bool collapse_coefficients(const TileArgs& a, int row
   const int tid = threadIdx.x, T = a.num_tokens, S = a.slices;
   if (tid < FnRows<kHead>::kValid) s_base[tid] = a.base[tid];
   if (tid < (kHead ? 1 : 3)) s_scale[tid] = a.scale[tid];
-  for (int idx = tid; idx < kCollapseRows * kVals; idx += kPass2Threads) {
+  for (int idx = tid; idx < kQuadRows * kVals; idx += kThreads) {
     const int r = idx / kVals, k = idx % kVals, row = row0 + r;
     float v = 0.f;
     if (r < n && row < T) {
@@ -539,17 +539,17 @@ __device__ __forceinline__ bool collapse_coefficients(const TileArgs& a, int row
     s_m[r][k] = v;
   }
   __syncthreads();
-  static_assert(kCollapseRows * kHC == 32, "one warp of quads");
-  if (tid < kThreads) {
-    bar_sync(kBarCoef, kPass2Threads);
+  static_assert(kQuadRows * kHC == 32, "one warp of quads");
+  if (tid < kCollapseThreads) {
+    bar_sync(kBarCoef, kThreads);
     return true;
   }
-  const int r = (tid - kThreads) >> 2, i = tid & 3, row = row0 + r;
+  const int r = (tid - kCollapseThreads) >> 2, i = tid & 3, row = row0 + r;
   const bool out = !kHead && r < n && row < T;
   const float rr = 1.0f / sqrtf(s_m[r][kRows] / (float)(kHC * a.hidden) + a.eps.rms_eps);
   const float pre = mhc_pre_weight(s_m[r], rr, s_scale, s_base, a.eps, i);
   s_coef[r][i] = pre;
-  bar_arrive(kBarCoef, kPass2Threads);
+  bar_arrive(kBarCoef, kThreads);
   if (out) a.pre_mix[row * kHC + i] = pre;
   if constexpr (!kHead) {
     float post, res[kHC];
@@ -660,15 +660,15 @@ __device__ __forceinline__ uint4 norm_vec(const uint4& yb, const uint4& nwb, flo
   return float_to_bf16x8(y);
 }
 
-// Rows [8 * blockIdx.x, +8), a warp per row (warps 0..7; warp 8 is the coefficient warp).
+// Rows [7 * blockIdx.x, +7), a warp per row (warps 0..6; warp 7 is the coefficient warp).
 // Dynamic shared memory: the rows' bf16 collapse between the two halves of the fused RMSNorm
-// (8 * D * 2 bytes), else none. A programmatic dependent launch of pass 1 (pdl.cuh's rule:
+// (7 * D * 2 bytes), else none. A programmatic dependent launch of pass 1 (pdl.cuh's rule:
 // pdl_wait() comes first).
 template <bool kHead, bool kGather>
-__global__ void __launch_bounds__(kPass2Threads) mhc_collapse_kernel(const __grid_constant__ TileArgs a) {
+__global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_constant__ TileArgs a) {
   extern __shared__ __align__(16) uint4 s_y[];
-  __shared__ float s_m[kCollapseRows][FnRows<kHead>::kVals];
-  __shared__ float s_coef[kCollapseRows][kHC];  // the collapse weights
+  __shared__ float s_m[kQuadRows][FnRows<kHead>::kVals];
+  __shared__ float s_coef[kQuadRows][kHC];  // the collapse weights
   if (!collapse_prologue<kGather>(a)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int D = a.hidden, nvec = D >> 3, T = a.num_tokens;
@@ -687,7 +687,7 @@ __global__ void __launch_bounds__(kPass2Threads) mhc_collapse_kernel(const __gri
       for (int i = 0; i < kHC; ++i)
         if (v0 + 32 * u < nvec) xv[u][i] = src[(size_t)i * nvec + v0 + 32 * u];
   };
-  if (warp < kWarps && row < T) load_batch(lane);
+  if (warp < kCollapseRows && row < T) load_batch(lane);
   if (!collapse_coefficients<kHead>(a, row0, kCollapseRows, s_m, s_coef) || row >= T)
     return;  // no CTA-wide synchronisation below
   float w[kHC];
@@ -727,16 +727,16 @@ __global__ void __launch_bounds__(kPass2Threads) mhc_collapse_kernel(const __gri
   }
 }
 
-// Row blockIdx.x, a CTA per row: thread t < 256 owns vectors t + 256 m (m < kV, kV * 256 >= D / 8)
+// Row blockIdx.x, a CTA per row: thread t < 224 owns vectors t + 224 m (m < kV, kV * 224 >= D / 8)
 // and issues every load (the streams, the norm weight) before the coefficients are known, so one
-// memory round trip overlaps the partials' sum; warp 8 is the coefficient warp. The norm's sum
+// memory round trip overlaps the partials' sum; warp 7 is the coefficient warp. The norm's sum
 // goes through shared memory in the warp kernel's order.
 template <bool kHead, bool kGather, int kV>
-__global__ void __launch_bounds__(kPass2Threads) __maxnreg__(kV >= 4 ? 112 : 72)
+__global__ void __launch_bounds__(kThreads, kV <= 2 ? 3 : kV <= 4 ? 2 : 1)
     mhc_collapse_row_kernel(const __grid_constant__ TileArgs a) {
-  __shared__ float s_m[kCollapseRows][FnRows<kHead>::kVals];
-  __shared__ float s_coef[kCollapseRows][kHC];
-  __shared__ float s_sq[kV * kThreads];  // per-vector sums of squares
+  __shared__ float s_m[kQuadRows][FnRows<kHead>::kVals];
+  __shared__ float s_coef[kQuadRows][kHC];
+  __shared__ float s_sq[kV * kCollapseThreads];  // per-vector sums of squares
   __shared__ float s_rn;
   const int tid = threadIdx.x, D = a.hidden, nvec = D >> 3, row = blockIdx.x;
   const bool norm = !kHead && a.norm_weight != nullptr;
@@ -749,20 +749,20 @@ __global__ void __launch_bounds__(kPass2Threads) __maxnreg__(kV >= 4 ? 112 : 72)
     const uint4* src = reinterpret_cast<const uint4*>(stream + (size_t)row * kHC * D);
 #pragma unroll
     for (int m = 0; m < kV; ++m) {
-      const int v = tid + kThreads * m;
+      const int v = tid + kCollapseThreads * m;
       if (v < nvec) {
 #pragma unroll
         for (int i = 0; i < kHC; ++i) x[m][i] = src[(size_t)i * nvec + v];
       }
     }
   };
-  const bool collapser = tid < kThreads;
+  const bool collapser = tid < kCollapseThreads;
   if (collapser && row < a.num_tokens) {  // not the coefficient warp, not the TP exit-barrier CTA
     if (early) load_row(a.stream);
 #pragma unroll
     for (int m = 0; m < kV; ++m)
-      if (norm && tid + kThreads * m < nvec)
-        nw[m] = __ldg(reinterpret_cast<const uint4*>(a.norm_weight) + tid + kThreads * m);
+      if (norm && tid + kCollapseThreads * m < nvec)
+        nw[m] = __ldg(reinterpret_cast<const uint4*>(a.norm_weight) + tid + kCollapseThreads * m);
   }
   if (!collapse_prologue<kGather>(a)) return;
   if (collapser && !early) load_row(a.new_stream);
@@ -772,7 +772,7 @@ __global__ void __launch_bounds__(kPass2Threads) __maxnreg__(kV >= 4 ? 112 : 72)
   uint4 y[kV];
 #pragma unroll
   for (int m = 0; m < kV; ++m) {
-    const int v = tid + kThreads * m;
+    const int v = tid + kCollapseThreads * m;
     if (v < nvec) {
       float sq;
       y[m] = collapse_vec(w, x[m], norm, sq);
@@ -781,20 +781,20 @@ __global__ void __launch_bounds__(kPass2Threads) __maxnreg__(kV >= 4 ? 112 : 72)
   }
   float rn = 1.f;
   if (norm) {  // uniform over the collapse threads (the coefficient warp is gone)
-    bar_sync(kBarNorm, kThreads);
+    bar_sync(kBarNorm, kCollapseThreads);
     if (tid < 32) {
       float ss = 0.f;
       for (int v = tid; v < nvec; v += 32) ss += s_sq[v];
       rn = norm_rn(ss, D, a.eps.norm_eps);
       if (tid == 0) s_rn = rn;
     }
-    bar_sync(kBarNorm, kThreads);
+    bar_sync(kBarNorm, kCollapseThreads);
     rn = s_rn;
   }
   const RowOut<kGather> dst(a, row);
 #pragma unroll
   for (int m = 0; m < kV; ++m) {
-    const int v = tid + kThreads * m;
+    const int v = tid + kCollapseThreads * m;
     if (v < nvec) dst.store(v, norm ? norm_vec(y[m], nw[m], rn) : y[m]);
   }
 }
