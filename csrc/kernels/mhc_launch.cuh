@@ -26,44 +26,63 @@ inline size_t rows_smem_bytes(int hidden) {
   return kPre ? fn_smem_bytes<kHead>(hidden) : 0;
 }
 
-// Pass-1 CTAs of this variant that fit on the device at once (cached per device and shape).
-template <YSrc kSrc, bool kPost, bool kPre, bool kHead>
-inline cudaError_t rows_max_ctas(int hidden, int* out) {
+// CTAs of `kernel` (`threads` each, `smem` bytes of dynamic shared memory) that fit on the device
+// at once, cached per device, kernel and smem size.
+inline cudaError_t resident_ctas(const void* kernel, int threads, size_t smem, int* out) {
   static std::mutex mu;
-  static std::map<std::tuple<int, size_t>, int> cache;
-  const void* kernel = (const void*)mhc_rows_kernel<kSrc, kPost, kPre, kHead>;
-  const size_t smem = rows_smem_bytes<kSrc, kPost, kPre, kHead>(hidden);
+  static std::map<std::tuple<int, const void*, size_t>, int> cache;
   int device = 0, sms = 0, per_sm = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return e;
   std::lock_guard<std::mutex> lock(mu);
-  if (auto it = cache.find({device, smem}); it != cache.end()) {
+  if (auto it = cache.find({device, kernel, smem}); it != cache.end()) {
     *out = it->second;
     return cudaSuccess;
   }
   if ((e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) != cudaSuccess ||
-      (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem)) != cudaSuccess ||
+      (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem)) != cudaSuccess ||
       (e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess)
     return e;
-  cache[{device, smem}] = *out = per_sm * sms;
+  cache[{device, kernel, smem}] = *out = per_sm * sms;
   return per_sm > 0 ? cudaSuccess : cudaErrorInvalidConfiguration;
 }
 
-// Pass 2 of a pre: a CTA per row up to kRowCollapseRows rows (every row's loads in one round;
-// decode), else a warp per row (8 rows per CTA). Both give the same bits (mhc_tile.cuh). With
-// a.exit_barrier (TP) one more CTA than the rows need: it does the exit barrier alone.
+// Pass-1 CTAs of this variant that fit on the device at once.
+template <YSrc kSrc, bool kPost, bool kPre, bool kHead>
+inline cudaError_t rows_max_ctas(int hidden, int* out) {
+  return resident_ctas((const void*)mhc_rows_kernel<kSrc, kPost, kPre, kHead>, kThreads,
+                       rows_smem_bytes<kSrc, kPost, kPre, kHead>(hidden), out);
+}
+
+// Pass 2 of a pre: a CTA per row while every row's CTA fits on the device at once (each row's
+// loads in one round, the rows side by side: ncu at D = 4096, T = 128 7.4 us, while the warp kernel
+// took 12.5 at T = 256 on a quarter of the SMs), else a warp per row (7 rows per CTA). Both give
+// the same bits (mhc_tile.cuh). With a.exit_barrier (TP) one more CTA than the rows need: it does
+// the exit barrier alone. *row: the row kernel for D (null if D > 8192: the ops check it first).
+template <bool kHead, bool kGather>
+inline cudaError_t collapse_plan(const TileArgs& a, void (**row)(TileArgs), bool* by_row) {
+  const int nvec = a.hidden / 8, extra = a.exit_barrier ? 1 : 0;
+  constexpr int kC = kCollapseThreads;
+  *row = nvec <= kC       ? mhc_collapse_row_kernel<kHead, kGather, 1>
+         : nvec <= 2 * kC ? mhc_collapse_row_kernel<kHead, kGather, 2>
+         : nvec <= 3 * kC ? mhc_collapse_row_kernel<kHead, kGather, 3>
+         : nvec <= 4 * kC ? mhc_collapse_row_kernel<kHead, kGather, 4>
+         : nvec <= 5 * kC ? mhc_collapse_row_kernel<kHead, kGather, 5>
+                          : nullptr;
+  int resident = 0;
+  if (*row == nullptr) return cudaErrorInvalidValue;
+  if (cudaError_t e = resident_ctas((const void*)*row, kThreads, 0, &resident); e != cudaSuccess) return e;
+  *by_row = a.num_tokens + extra <= resident;
+  return cudaSuccess;
+}
+
 template <bool kHead, bool kGather>
 inline cudaError_t launch_collapse(const TileArgs& a, cudaStream_t stream) {
-  const int T = a.num_tokens, D = a.hidden, nvec = D / 8, extra = a.exit_barrier ? 1 : 0;
-  if (T <= kRowCollapseRows) {
-    const int grid = T + extra;
-    if (nvec <= kThreads)
-      return launch_dependent(mhc_collapse_row_kernel<kHead, kGather, 1>, grid, kThreads, 0, stream, a);
-    if (nvec <= 2 * kThreads)
-      return launch_dependent(mhc_collapse_row_kernel<kHead, kGather, 2>, grid, kThreads, 0, stream, a);
-    if (nvec > 4 * kThreads) return cudaErrorInvalidValue;  // D <= 8192: the ops check it first
-    return launch_dependent(mhc_collapse_row_kernel<kHead, kGather, 4>, grid, kThreads, 0, stream, a);
-  }
+  const int T = a.num_tokens, D = a.hidden, extra = a.exit_barrier ? 1 : 0;
+  void (*row)(TileArgs) = nullptr;
+  bool by_row = false;
+  if (cudaError_t e = collapse_plan<kHead, kGather>(a, &row, &by_row); e != cudaSuccess) return e;
+  if (by_row) return launch_dependent(row, T + extra, kThreads, 0, stream, a);
   const size_t smem = !kHead && a.norm_weight != nullptr ? (size_t)kCollapseRows * D * 2 : 0;
   const void* kernel = (const void*)mhc_collapse_kernel<kHead, kGather>;
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
@@ -107,12 +126,16 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   const void* rows = (const void*)mhc_rows_kernel<kSrc, kPost, kPre, kHead>;
   const size_t smem = rows_smem_bytes<kSrc, kPost, kPre, kHead>(D);
   if ((e = cudaFuncSetAttribute(rows, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) != cudaSuccess) return e;
-  if (debug_enabled())
+  if (debug_enabled()) {
+    void (*row)(TileArgs) = nullptr;
+    bool by_row = false;
+    if (kPre && (e = collapse_plan<kHead, kGather>(a, &row, &by_row)) != cudaSuccess) return e;
     std::fprintf(stderr, "spkernels: rows kernel T=%d D=%d slices=%d groups=%d parts=%d smem=%zu; collapse: %s\n", T, D,
                  a.slices, a.groups, a.parts, smem,
-                 !kPre                   ? "none"
-                 : T <= kRowCollapseRows ? "a CTA per row"
-                                         : "a warp per row");
+                 !kPre    ? "none"
+                 : by_row ? "a CTA per row"
+                          : "a warp per row");
+  }
   mhc_rows_kernel<kSrc, kPost, kPre, kHead><<<a.slices * a.groups * a.parts, kThreads, smem, stream>>>(a);
   if ((e = cudaGetLastError()) != cudaSuccess || !kPre) return e;
   if ((e = launch_collapse<kHead, kGather>(a, stream)) != cudaSuccess || !kGather) return e;

@@ -76,18 +76,23 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 __device__ __forceinline__ float fast_rcp(float x) { return __fdividef(1.0f, x); }
 __device__ __forceinline__ float sigmoidf(float x) { return fast_rcp(1.0f + __expf(-x)); }
 
-// Per-token coefficients for row i of the Sinkhorn matrix (lane i of a quad calls it for i; every
-// lane computes the whole 4 x 4 matrix in registers, so the column sums need no shuffles: a quad's
-// shuffle butterflies were most of the 20 iterations' latency chain, with every other warp of the
-// CTA waiting at the next barrier). m: the 24 raw products (fn · x) of the token; r: its RMS
-// factor, applied after the product as SPEC.md §1 says. Writes coef[i] = pre, coef[4 + i] = post
-// and coef[8 + 4i + j] = res[i][j] (source stream i -> destination stream j). Sums: a row's in
-// column order; a column's (c0 + c1) + (c2 + c3), the same bits on every lane (and those of the
-// quad butterfly this replaced), which replicated ranks rely on.
-__device__ __forceinline__ void mhc_coefficients_row(const float* m, float r, const float* scale, const float* base,
-                                                     const MhcEps& eps, int i, float* coef) {
-  coef[i] = sigmoidf(m[i] * r * scale[0] + base[i]) + eps.hc_eps;
-  coef[kHC + i] = eps.post_alpha * sigmoidf(m[kHC + i] * r * scale[1] + base[kHC + i]);
+// Per-token coefficients (SPEC.md section 1), for lane i of a quad. m: the 24 raw products (fn · x)
+// of the token; r: its RMS factor, applied after the product as the SPEC says. The pre weight of
+// stream i comes alone, first: it is all the collapse needs, so pass 2 collapses while the rest
+// (post, Sinkhorn) is still running.
+__device__ __forceinline__ float mhc_pre_weight(const float* m, float r, const float* scale, const float* base,
+                                                const MhcEps& eps, int i) {
+  return sigmoidf(m[i] * r * scale[0] + base[i]) + eps.hc_eps;
+}
+
+// The post weight of stream i and row i of the Sinkhorn matrix (res[j] = res[i][j], source stream i
+// -> destination stream j). Every lane computes the whole 4 x 4 matrix in registers, so the column
+// sums need no shuffles: a quad's shuffle butterflies were most of the 20 iterations' latency
+// chain. Sums: a row's in column order; a column's (c0 + c1) + (c2 + c3), the same bits on every
+// lane (and those of the quad butterfly this replaced), which replicated ranks rely on.
+__device__ __forceinline__ void mhc_post_res_row(const float* m, float r, const float* scale, const float* base,
+                                                 const MhcEps& eps, int i, float& post, float (&res)[kHC]) {
+  post = eps.post_alpha * sigmoidf(m[kHC + i] * r * scale[1] + base[kHC + i]);
   float c[kHC][kHC];
 #pragma unroll
   for (int q = 0; q < kHC; ++q) {  // softmax of each row
@@ -132,7 +137,7 @@ __device__ __forceinline__ void mhc_coefficients_row(const float* m, float r, co
   for (int q = 0; q < kHC; ++q)  // row i (a constant index keeps c in registers)
     if (q == i)
 #pragma unroll
-      for (int j = 0; j < kHC; ++j) coef[2 * kHC + i * kHC + j] = c[q][j];
+      for (int j = 0; j < kHC; ++j) res[j] = c[q][j];
 }
 
 }  // namespace spk

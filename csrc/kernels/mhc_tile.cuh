@@ -11,7 +11,7 @@
 //       (and NVLink) speed. At decode sizes (tiles x slices x 3 fit in one wave) CTA (g, s, p)
 //       computes only fn rows 8p..8p+7 (a = 3 parts): three times the CTAs, each loading a third
 //       of fn, with every sum bitwise unchanged (each row's mma chain is the same).
-// 2. mhc_collapse_kernel / mhc_collapse_row_kernel (pres only; 8 rows per CTA and a warp per row,
+// 2. mhc_collapse_kernel / mhc_collapse_row_kernel (pres only; 7 rows per CTA and a warp per row,
 //    or at decode sizes a CTA per row): sums each row's S partials in slice order, computes the
 //    coefficients (sigmoids, Sinkhorn; one quad of lanes per row), collapses the stream
 //    (+ fused RMSNorm) and writes layer_input; in SP mode it also stores each row straight into
@@ -75,11 +75,12 @@ struct FnRows {
   static constexpr int kVals = kRows + 1;
 };
 
-constexpr int kSliceVecs = 32;         // 16-byte vectors per stream in a slice: one group of 4 per warp
-constexpr int kCollapseRows = kWarps;  // pass 2: one warp per row
-constexpr int kWsBatch = 16;           // pass 2: workspace partials loaded at once per value
-constexpr int kCollapseBatch = 4;      // pass 2: 16-byte vectors per lane and stream loaded at once
-constexpr int kRowCollapseRows = 128;  // pass 2: a CTA per row up to this many rows (~1 per SM)
+constexpr int kSliceVecs = 32;                        // 16-byte vectors per stream in a slice: one group of 4 per warp
+constexpr int kCollapseRows = kWarps - 1;             // pass 2: one warp per row, and the coefficient warp
+constexpr int kCollapseThreads = kCollapseRows * 32;  // pass 2's collapse threads (warps 0..6)
+constexpr int kQuadRows = 8;                          // rows of the coefficient warp's quads
+constexpr int kWsBatch = 16;                          // pass 2: workspace partials loaded at once per value
+constexpr int kCollapseBatch = 4;                     // pass 2: 16-byte vectors per lane and stream loaded at once
 
 __host__ __device__ inline int row_slices(int hidden) { return (hidden / 8 + kSliceVecs - 1) / kSliceVecs; }
 
@@ -488,27 +489,38 @@ static __global__ void __launch_bounds__(kPostRowThreads) mhc_post_row_kernel(co
 }
 
 // ---- Pass 2 (pres): coefficients, then the collapse of the stream (+ fused RMSNorm) into
-// layer_input. Two kernels with bitwise-identical rows: mhc_collapse_kernel (8 rows per CTA, a
+// layer_input. Two kernels with bitwise-identical rows: mhc_collapse_kernel (7 rows per CTA, a
 // warp per row; large T) and mhc_collapse_row_kernel (a CTA per row, every load of the row in one
 // round; decode sizes, where the warp-per-row kernel runs ~4 serial load rounds on few CTAs).
 // Rounding and summation orders shared by both: y = fma chain over the streams in stream order,
 // rounded to bf16; a vector's 8 squares summed by fma in element order; vector v's sum added to
 // lane (v % 32)'s partial in increasing v; the 32 partials by the xor butterfly.
 
-// Coefficients of rows [row0, row0 + n), 1 <= n <= 8: each row's S partials summed in slice
-// order into s_m, then sigmoids / Sinkhorn on a quad of lanes per row into s_coef (pres also
-// write pre_mix, post_mix, res_mix). Warp 0 runs all 8 quads: rows n..7 are zeros and write
-// nothing to global memory. Every thread calls it; it ends with a CTA barrier.
+enum : int { kBarCoef = 1, kBarNorm = 2 };  // named barriers (0 is __syncthreads)
+
+__device__ __forceinline__ void bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
+// Coefficients of rows [row0, row0 + n), 1 <= n <= 7. Every thread sums part of each row's S
+// partials (in slice order) into s_m; then the coefficient warp, a quad of lanes per row (rows
+// n..7 are zeros and write nothing to global memory), puts the collapse weights in s_coef and
+// releases the collapse threads (kBarCoef), and only then computes and writes a pre's post weights
+// and Sinkhorn matrix: the collapse no longer waits for the 20 Sinkhorn sweeps. Returns true on
+// the collapse threads once s_coef is ready, false on the coefficient warp when it is done.
 template <bool kHead>
-__device__ __forceinline__ void collapse_coefficients(const TileArgs& a, int row0, int n,
-                                                      float (*s_m)[FnRows<kHead>::kVals], float (*s_coef)[kMix]) {
+__device__ __forceinline__ bool collapse_coefficients(const TileArgs& a, int row0, int n,
+                                                      float (*s_m)[FnRows<kHead>::kVals], float (*s_coef)[kHC]) {
   constexpr int kRows = FnRows<kHead>::kRows;
   constexpr int kVals = FnRows<kHead>::kVals;
   __shared__ float s_scale[3], s_base[kMix];
   const int tid = threadIdx.x, T = a.num_tokens, S = a.slices;
   if (tid < FnRows<kHead>::kValid) s_base[tid] = a.base[tid];
   if (tid < (kHead ? 1 : 3)) s_scale[tid] = a.scale[tid];
-  for (int idx = tid; idx < kCollapseRows * kVals; idx += kThreads) {
+  for (int idx = tid; idx < kQuadRows * kVals; idx += kThreads) {
     const int r = idx / kVals, k = idx % kVals, row = row0 + r;
     float v = 0.f;
     if (r < n && row < T) {
@@ -527,23 +539,28 @@ __device__ __forceinline__ void collapse_coefficients(const TileArgs& a, int row
     s_m[r][k] = v;
   }
   __syncthreads();
-  static_assert(kCollapseRows * kHC == 32, "one warp of quads");
-  if (tid < kCollapseRows * kHC) {  // a quad of lanes per row
-    const int r = tid >> 2, i = tid & 3, row = row0 + r;
-    const float rr = 1.0f / sqrtf(s_m[r][kRows] / (float)(kHC * a.hidden) + a.eps.rms_eps);
-    if constexpr (kHead) {
-      s_coef[r][i] = sigmoidf(s_m[r][i] * rr * s_scale[0] + s_base[i]) + a.eps.hc_eps;
-    } else {
-      mhc_coefficients_row(s_m[r], rr, s_scale, s_base, a.eps, i, s_coef[r]);
-      if (r < n && row < T) {
-        a.pre_mix[row * kHC + i] = s_coef[r][i];
-        a.post_mix[row * kHC + i] = s_coef[r][kHC + i];
+  static_assert(kQuadRows * kHC == 32, "one warp of quads");
+  if (tid < kCollapseThreads) {
+    bar_sync(kBarCoef, kThreads);
+    return true;
+  }
+  const int r = (tid - kCollapseThreads) >> 2, i = tid & 3, row = row0 + r;
+  const bool out = !kHead && r < n && row < T;
+  const float rr = 1.0f / sqrtf(s_m[r][kRows] / (float)(kHC * a.hidden) + a.eps.rms_eps);
+  const float pre = mhc_pre_weight(s_m[r], rr, s_scale, s_base, a.eps, i);
+  s_coef[r][i] = pre;
+  bar_arrive(kBarCoef, kThreads);
+  if (out) a.pre_mix[row * kHC + i] = pre;
+  if constexpr (!kHead) {
+    float post, res[kHC];
+    mhc_post_res_row(s_m[r], rr, s_scale, s_base, a.eps, i, post, res);
+    if (out) {
+      a.post_mix[row * kHC + i] = post;
 #pragma unroll
-        for (int j = 0; j < kHC; ++j) a.res_mix[(row * kHC + i) * kHC + j] = s_coef[r][2 * kHC + i * kHC + j];
-      }
+      for (int j = 0; j < kHC; ++j) a.res_mix[(row * kHC + i) * kHC + j] = res[j];
     }
   }
-  __syncthreads();
+  return false;
 }
 
 // Pass 2's prologue, shared by both kernels; false: this CTA is done. pdl_wait(): pass 1 complete
@@ -643,14 +660,15 @@ __device__ __forceinline__ uint4 norm_vec(const uint4& yb, const uint4& nwb, flo
   return float_to_bf16x8(y);
 }
 
-// Rows [8 * blockIdx.x, +8), a warp per row. Dynamic shared memory: the rows' bf16 collapse
-// between the two halves of the fused RMSNorm (8 * D * 2 bytes), else none. A programmatic
-// dependent launch of pass 1 (pdl.cuh's rule: pdl_wait() comes first).
+// Rows [7 * blockIdx.x, +7), a warp per row (warps 0..6; warp 7 is the coefficient warp).
+// Dynamic shared memory: the rows' bf16 collapse between the two halves of the fused RMSNorm
+// (7 * D * 2 bytes), else none. A programmatic dependent launch of pass 1 (pdl.cuh's rule:
+// pdl_wait() comes first).
 template <bool kHead, bool kGather>
 __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_constant__ TileArgs a) {
   extern __shared__ __align__(16) uint4 s_y[];
-  __shared__ float s_m[kCollapseRows][FnRows<kHead>::kVals];
-  __shared__ float s_coef[kCollapseRows][kMix];  // pre | post | res, or the head weights
+  __shared__ float s_m[kQuadRows][FnRows<kHead>::kVals];
+  __shared__ float s_coef[kQuadRows][kHC];  // the collapse weights
   if (!collapse_prologue<kGather>(a)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int D = a.hidden, nvec = D >> 3, T = a.num_tokens;
@@ -669,9 +687,9 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
       for (int i = 0; i < kHC; ++i)
         if (v0 + 32 * u < nvec) xv[u][i] = src[(size_t)i * nvec + v0 + 32 * u];
   };
-  if (row < T) load_batch(lane);
-  collapse_coefficients<kHead>(a, row0, kCollapseRows, s_m, s_coef);
-  if (row >= T) return;  // no CTA-wide synchronisation below
+  if (warp < kCollapseRows && row < T) load_batch(lane);
+  if (!collapse_coefficients<kHead>(a, row0, kCollapseRows, s_m, s_coef) || row >= T)
+    return;  // no CTA-wide synchronisation below
   float w[kHC];
   collapse_weights<kHead>(a, row, s_coef[warp], w);
   const RowOut<kGather> dst(a, row);
@@ -709,15 +727,16 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
   }
 }
 
-// Row blockIdx.x, a CTA per row: thread t owns vectors t + 256 m (m < kV, kV * 256 >= D / 8) and
-// issues every load (the streams, the norm weight) before the coefficients are known, so one
-// memory round trip overlaps the partials' sum and the Sinkhorn. The norm's sum goes through
-// shared memory in the warp kernel's order.
+// Row blockIdx.x, a CTA per row: thread t < 224 owns vectors t + 224 m (m < kV, kV * 224 >= D / 8)
+// and issues every load (the streams, the norm weight) before the coefficients are known, so one
+// memory round trip overlaps the partials' sum; warp 7 is the coefficient warp. The norm's sum
+// goes through shared memory in the warp kernel's order.
 template <bool kHead, bool kGather, int kV>
-__global__ void __launch_bounds__(kThreads) mhc_collapse_row_kernel(const __grid_constant__ TileArgs a) {
-  __shared__ float s_m[kCollapseRows][FnRows<kHead>::kVals];
-  __shared__ float s_coef[kCollapseRows][kMix];
-  __shared__ float s_sq[kV * kThreads];  // per-vector sums of squares
+__global__ void __launch_bounds__(kThreads, kV <= 2 ? 3 : kV <= 4 ? 2 : 1)
+    mhc_collapse_row_kernel(const __grid_constant__ TileArgs a) {
+  __shared__ float s_m[kQuadRows][FnRows<kHead>::kVals];
+  __shared__ float s_coef[kQuadRows][kHC];
+  __shared__ float s_sq[kV * kCollapseThreads];  // per-vector sums of squares
   __shared__ float s_rn;
   const int tid = threadIdx.x, D = a.hidden, nvec = D >> 3, row = blockIdx.x;
   const bool norm = !kHead && a.norm_weight != nullptr;
@@ -730,29 +749,30 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_row_kernel(const __grid
     const uint4* src = reinterpret_cast<const uint4*>(stream + (size_t)row * kHC * D);
 #pragma unroll
     for (int m = 0; m < kV; ++m) {
-      const int v = tid + kThreads * m;
+      const int v = tid + kCollapseThreads * m;
       if (v < nvec) {
 #pragma unroll
         for (int i = 0; i < kHC; ++i) x[m][i] = src[(size_t)i * nvec + v];
       }
     }
   };
-  if (row < a.num_tokens) {  // not the TP exit-barrier CTA
+  const bool collapser = tid < kCollapseThreads;
+  if (collapser && row < a.num_tokens) {  // not the coefficient warp, not the TP exit-barrier CTA
     if (early) load_row(a.stream);
 #pragma unroll
     for (int m = 0; m < kV; ++m)
-      if (norm && tid + kThreads * m < nvec)
-        nw[m] = __ldg(reinterpret_cast<const uint4*>(a.norm_weight) + tid + kThreads * m);
+      if (norm && tid + kCollapseThreads * m < nvec)
+        nw[m] = __ldg(reinterpret_cast<const uint4*>(a.norm_weight) + tid + kCollapseThreads * m);
   }
   if (!collapse_prologue<kGather>(a)) return;
-  if (!early) load_row(a.new_stream);
-  collapse_coefficients<kHead>(a, row, 1, s_m, s_coef);
+  if (collapser && !early) load_row(a.new_stream);
+  if (!collapse_coefficients<kHead>(a, row, 1, s_m, s_coef)) return;  // the coefficient warp
   float w[kHC];
   collapse_weights<kHead>(a, row, s_coef[0], w);
   uint4 y[kV];
 #pragma unroll
   for (int m = 0; m < kV; ++m) {
-    const int v = tid + kThreads * m;
+    const int v = tid + kCollapseThreads * m;
     if (v < nvec) {
       float sq;
       y[m] = collapse_vec(w, x[m], norm, sq);
@@ -760,21 +780,21 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_row_kernel(const __grid
     }
   }
   float rn = 1.f;
-  if (norm) {  // CTA-uniform
-    __syncthreads();
+  if (norm) {  // uniform over the collapse threads (the coefficient warp is gone)
+    bar_sync(kBarNorm, kCollapseThreads);
     if (tid < 32) {
       float ss = 0.f;
       for (int v = tid; v < nvec; v += 32) ss += s_sq[v];
       rn = norm_rn(ss, D, a.eps.norm_eps);
       if (tid == 0) s_rn = rn;
     }
-    __syncthreads();
+    bar_sync(kBarNorm, kCollapseThreads);
     rn = s_rn;
   }
   const RowOut<kGather> dst(a, row);
 #pragma unroll
   for (int m = 0; m < kV; ++m) {
-    const int v = tid + kThreads * m;
+    const int v = tid + kCollapseThreads * m;
     if (v < nvec) dst.store(v, norm ? norm_vec(y[m], nw[m], rn) : y[m]);
   }
 }
