@@ -12,8 +12,9 @@
 //       computes only fn rows 8p..8p+7 (a = 3 parts): three times the CTAs, each loading a third
 //       of fn, with every sum bitwise unchanged (each row's mma chain is the same).
 // 2. mhc_collapse_kernel / mhc_collapse_row_kernel (pres only; 7 rows per CTA and a warp per row,
-//    or at decode sizes a CTA per row): sums each row's S partials in slice order, computes the
-//    coefficients (sigmoids, Sinkhorn; one quad of lanes per row), collapses the stream
+//    or, while the rows' CTAs fit on the GPU at once, a CTA per row): sums each row's S partials
+//    in slice order, computes the coefficients on a coefficient warp (sigmoids, Sinkhorn; one quad
+//    of lanes per row; the collapse starts once the pre weights are out), collapses the stream
 //    (+ fused RMSNorm) and writes layer_input; in SP mode it also stores each row straight into
 //    every peer's gather region (NVLink pushes overlapping the pass's HBM work), and
 //    lsa_copy_in_kernel moves the peers' rows into layer_input (protocol in lsa_gather.cuh).
@@ -491,7 +492,8 @@ static __global__ void __launch_bounds__(kPostRowThreads) mhc_post_row_kernel(co
 // ---- Pass 2 (pres): coefficients, then the collapse of the stream (+ fused RMSNorm) into
 // layer_input. Two kernels with bitwise-identical rows: mhc_collapse_kernel (7 rows per CTA, a
 // warp per row; large T) and mhc_collapse_row_kernel (a CTA per row, every load of the row in one
-// round; decode sizes, where the warp-per-row kernel runs ~4 serial load rounds on few CTAs).
+// round; up to a few hundred rows, where the warp-per-row kernel runs ~4 serial load rounds on
+// few CTAs).
 // Rounding and summation orders shared by both: y = fma chain over the streams in stream order,
 // rounded to bf16; a vector's 8 squares summed by fma in element order; vector v's sum added to
 // lane (v % 32)'s partial in increasing v; the 32 partials by the xor butterfly.
@@ -732,8 +734,9 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
 // memory round trip overlaps the partials' sum; warp 7 is the coefficient warp. The norm's sum
 // goes through shared memory in the warp kernel's order.
 template <bool kHead, bool kGather, int kV>
-__global__ void __launch_bounds__(kThreads, kV <= 2 ? 3 : kV <= 4 ? 2 : 1)
-    mhc_collapse_row_kernel(const __grid_constant__ TileArgs a) {
+__global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
+                                            : kV <= 4 ? 2
+                                                      : 1) mhc_collapse_row_kernel(const __grid_constant__ TileArgs a) {
   __shared__ float s_m[kQuadRows][FnRows<kHead>::kVals];
   __shared__ float s_coef[kQuadRows][kHC];
   __shared__ float s_sq[kV * kCollapseThreads];  // per-vector sums of squares
