@@ -115,7 +115,8 @@ fi
 if want profile && fits 90 profile; then
   # ncu (clocks left alone) on the pre's two kernels where they fall short: pass 1 at T = 8192 and
   # pass 2 at decode (T = 8); details incl. warp stalls and the top stall lines, then every
-  # spkernels kernel's duration at T = 8, 64, 8192 (caches flushed between kernels, as ncu does).
+  # spkernels kernel's duration at T = PROFILE_T (default 8, 64, 8192; caches flushed between kernels
+  # unless PROFILE_CACHE=none).
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   for spec in ${PROFILE_KERNELS:-8192:mhc_rows_kernel 8:mhc_collapse_kernel}; do
     [[ $spec == none ]] && continue
