@@ -82,6 +82,8 @@ inline cudaError_t launch_collapse(const TileArgs& a, cudaStream_t stream) {
   void (*row)(TileArgs) = nullptr;
   bool by_row = false;
   if (cudaError_t e = collapse_plan<kHead, kGather>(a, &row, &by_row); e != cudaSuccess) return e;
+  if (debug_enabled())
+    std::fprintf(stderr, "spkernels: collapse T=%d: %s\n", T, by_row ? "a CTA per row" : "a warp per row");
   if (by_row) return launch_dependent(row, T + extra, kThreads, 0, stream, a);
   const size_t smem = !kHead && a.norm_weight != nullptr ? (size_t)kCollapseRows * D * 2 : 0;
   const void* kernel = (const void*)mhc_collapse_kernel<kHead, kGather>;
@@ -126,16 +128,9 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   const void* rows = (const void*)mhc_rows_kernel<kSrc, kPost, kPre, kHead>;
   const size_t smem = rows_smem_bytes<kSrc, kPost, kPre, kHead>(D);
   if ((e = cudaFuncSetAttribute(rows, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) != cudaSuccess) return e;
-  if (debug_enabled()) {
-    void (*row)(TileArgs) = nullptr;
-    bool by_row = false;
-    if (kPre && (e = collapse_plan<kHead, kGather>(a, &row, &by_row)) != cudaSuccess) return e;
-    std::fprintf(stderr, "spkernels: rows kernel T=%d D=%d slices=%d groups=%d parts=%d smem=%zu; collapse: %s\n", T, D,
-                 a.slices, a.groups, a.parts, smem,
-                 !kPre    ? "none"
-                 : by_row ? "a CTA per row"
-                          : "a warp per row");
-  }
+  if (debug_enabled())
+    std::fprintf(stderr, "spkernels: rows kernel T=%d D=%d slices=%d groups=%d parts=%d smem=%zu\n", T, D, a.slices,
+                 a.groups, a.parts, smem);
   mhc_rows_kernel<kSrc, kPost, kPre, kHead><<<a.slices * a.groups * a.parts, kThreads, smem, stream>>>(a);
   if ((e = cudaGetLastError()) != cudaSuccess || !kPre) return e;
   if ((e = launch_collapse<kHead, kGather>(a, stream)) != cudaSuccess || !kGather) return e;

@@ -71,8 +71,8 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 }
 
 // The coefficient math is a latency-bound chain on one warp (20 Sinkhorn sweeps per row), so it
-// uses the SFU's approximate exp and reciprocal (~2 ulp each; the
-// mixes' tolerance is 1e-4). Deterministic instructions: replicated ranks still agree bitwise.
+// uses the SFU's approximate exp and reciprocal (~2 ulp each; the mixes' tolerance is 1e-4).
+// Deterministic instructions: replicated ranks still agree bitwise.
 __device__ __forceinline__ float fast_rcp(float x) { return __fdividef(1.0f, x); }
 __device__ __forceinline__ float sigmoidf(float x) { return fast_rcp(1.0f + __expf(-x)); }
 

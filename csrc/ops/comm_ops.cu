@@ -231,13 +231,9 @@ void lsa_link_probe(int64_t handle, int64_t bytes, bool push) {
   Tensor scratch = at::empty({bytes * c.world}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, c.device));
   const int grid = lsa_all_gather_grid(bytes, c.max_ctas);
   cudaStream_t st = c10::cuda::getCurrentCUDAStream();
-  char* out = static_cast<char*>(scratch.data_ptr());
-  if (push)
-    lsa_all_gather_kernel<true>
-        <<<grid, kGatherThreads, 0, st>>>(c.window, c.gather_offset(), bytes, c.rank, c.world, c.barrier, out);
-  else
-    lsa_all_gather_kernel<false>
-        <<<grid, kGatherThreads, 0, st>>>(c.window, c.gather_offset(), bytes, c.rank, c.world, c.barrier, out);
+  const auto kernel = push ? lsa_all_gather_kernel<true> : lsa_all_gather_kernel<false>;
+  kernel<<<grid, kGatherThreads, 0, st>>>(c.window, c.gather_offset(), bytes, c.rank, c.world, c.barrier,
+                                          static_cast<char*>(scratch.data_ptr()));
   SPK_CUDA_CHECK(cudaGetLastError());
 }
 
