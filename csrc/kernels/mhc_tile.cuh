@@ -114,17 +114,34 @@ __device__ __forceinline__ uint4 fn_fragment(const TileArgs& a, int i, int n, in
 
 // The slice's fragments in shared memory for CTAs that reuse them over several tiles. Entry
 // (((i * gmax + grp) * 2 + s) * kRows + n) * 4 + t. Staged before the entry barrier, so that its
-// latency hides behind the peers' arrival.
+// latency hides behind the peers' arrival. Every load of the thread's entries (gmax * kRows / 8
+// <= 24 float4) is issued before the first split: nothing else is live yet, and a loop of 8 in
+// flight waited out three round trips.
 template <bool kHead>
 __device__ __forceinline__ void stage_fn_slice(const TileArgs& a, int v0, int W, int gmax) {
   constexpr int kRows = FnRows<kHead>::kRows;
+  constexpr int kMaxPer = 8 * 2 * kRows * 4 * kHC / kThreads;  // entries per thread at gmax = 8
   extern __shared__ __align__(16) uint4 s_fn[];
   const int entries = kHC * gmax * 2 * kRows * 4;
-#pragma unroll 8
-  for (int e = threadIdx.x; e < entries; e += kThreads) {
+  float4 f[kMaxPer];
+#pragma unroll
+  for (int k = 0; k < kMaxPer; ++k) {
+    const int e = threadIdx.x + k * kThreads;
     const int t = e & 3, n = (e >> 2) % kRows, rest = (e >> 2) / kRows;
-    const int s = rest & 1, grp = (rest >> 1) % gmax, i = (rest >> 1) / gmax;
-    s_fn[e] = fn_fragment<kHead>(a, i, n, grp * 4 + t, s, v0, W);
+    const int s = rest & 1, grp = (rest >> 1) % gmax, i = (rest >> 1) / gmax, vec = grp * 4 + t;
+    f[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (e < entries && n < FnRows<kHead>::kValid && vec < W)
+      f[k] = __ldg(reinterpret_cast<const float4*>(a.fn + (size_t)n * kHC * a.hidden + (size_t)i * a.hidden +
+                                                   (size_t)(v0 + vec) * 8 + 4 * s));
+  }
+#pragma unroll
+  for (int k = 0; k < kMaxPer; ++k) {
+    const int e = threadIdx.x + k * kThreads;
+    if (e >= entries) break;
+    uint4 q;
+    split_bf16x2(f[k].x, f[k].y, q.x, q.z);
+    split_bf16x2(f[k].z, f[k].w, q.y, q.w);
+    s_fn[e] = q;
   }
   __syncthreads();
 }
