@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device-machine session: build, GPU test suite, benchmarks. Logs and JSON land in $OUT.
 # Usage (on the GPU machine, from the repo root):
-#   bash scripts/gpu_run.sh [all | comma list of test,runner,pp,bench,ab,load,sanitize,wheel,profile,sass] [pytest args...]
-# Parts run in the order test, bench, ab, runner, load, sanitize, wheel, profile, sass, pp ("all":
-# every part but ab, profile and sass). DEADLINE=<seconds> skips a part once less than its budget is left.
+#   bash scripts/gpu_run.sh [all | comma list of test,runner,pp,bench,ab,load,sanitize,wheel,profile,sass,probe] [pytest args...]
+# Parts run in the order test, bench, ab, runner, load, sanitize, wheel, profile, sass, probe, pp
+# ("all": every part but ab, profile, sass and probe). DEADLINE=<seconds> skips a part once less than its budget is left.
 # ab: the same bench (AB_ARGS, default BENCH_ARGS) on this tree and on each tree under .ab/ (made
 # by scripts/ab_trees.sh, carried along), built in place while this tree builds; ab_<name>.json
 # each, compared by scripts/ab_table.py. AB_TESTS="<pytest args>": first run those tests on each
@@ -23,7 +23,7 @@ export MAX_JOBS=${MAX_JOBS:-16}
 # sanitize_summary.txt (build.log on failure); ncu_profile.txt and ncu_csv.tgz (profile) in place
 # of two of them.
 start=$(date +%s)
-want() { [[ ($what == all && $1 != profile && $1 != ab && $1 != sass) || ,$what, == *,$1,* ]]; }  # what: all, or a comma list
+want() { [[ ($what == all && $1 != profile && $1 != ab && $1 != sass && $1 != probe) || ,$what, == *,$1,* ]]; }  # what: all, or a comma list
 ab_trees=()
 if want ab; then  # build the other trees in place, beside this tree's build
   for d in .ab/*/; do
@@ -155,6 +155,10 @@ if want sass && fits 30 sass; then
   cuobjdump -sass "$so" 2>&1 | awk -v pat="${SASS_FILTER:-mhc_rows_kernel}" \
     '/Function :/ {keep = ($0 ~ pat)} keep' > "$OUT/sass.txt"
   grep -c "Function :" "$OUT/sass.txt"; wc -l "$OUT/sass.txt"
+fi
+if want probe && fits 60 probe; then  # bench/access_probe.cu: read bandwidth of the stream's access patterns
+  nvcc -O3 -std=c++17 -arch=sm_90a bench/access_probe.cu -o /tmp/access_probe && timeout 120 /tmp/access_probe \
+    | tee "$OUT/probe.txt"
 fi
 if want pp && fits 100 pp; then
   # Issue 7 measurement: PP2 x TP1 on 2 GPUs (v4.1), without and with microbatching.
