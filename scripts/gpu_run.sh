@@ -3,7 +3,8 @@
 # Usage (on the GPU machine, from the repo root):
 #   bash scripts/gpu_run.sh [all | comma list of test,runner,pp,bench,ab,load,sanitize,wheel,profile,sass,probe] [pytest args...]
 # Parts run in the order test, bench, ab, runner, load, sanitize, wheel, profile, sass, probe, pp
-# ("all": every part but ab, profile, sass and probe). DEADLINE=<seconds> skips a part once less than its budget is left.
+# ("all": every part but ab, profile, sass and probe). DEADLINE=<seconds> skips a part once less
+# than its budget is left.
 # ab: the same bench (AB_ARGS, default BENCH_ARGS) on this tree and on each tree under .ab/ (made
 # by scripts/ab_trees.sh, carried along), built in place while this tree builds; ab_<name>.json
 # each, compared by scripts/ab_table.py. AB_TESTS="<pytest args>": first run those tests on each
@@ -20,10 +21,12 @@ export MAX_JOBS=${MAX_JOBS:-16}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$OUT/machine.txt" 2>&1
 # At most 8 files come back from $OUT: machine.txt (with the tests' summary lines), pytest_gpu.log,
 # the bench's json/png/txt, runner.log (runner, load console, wheel check, pp), load.json,
-# sanitize_summary.txt (build.log on failure); ncu_profile.txt and ncu_csv.tgz (profile) in place
-# of two of them.
+# sanitize_summary.txt (build.log on failure); ncu_profile.txt and ncu_csv.tgz (profile), sass.txt
+# (sass) and probe.txt (probe) in place of some of them.
 start=$(date +%s)
-want() { [[ ($what == all && $1 != profile && $1 != ab && $1 != sass && $1 != probe) || ,$what, == *,$1,* ]]; }  # what: all, or a comma list
+want() {  # what: all (but the on-demand parts), or a comma list
+  [[ ($what == all && $1 != profile && $1 != ab && $1 != sass && $1 != probe) || ,$what, == *,$1,* ]]
+}
 ab_trees=()
 if want ab; then  # build the other trees in place, beside this tree's build
   for d in .ab/*/; do

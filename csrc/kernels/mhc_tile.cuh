@@ -385,7 +385,10 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
       }
       if constexpr (kPipe)
         if (tile + a.groups < num_tiles) load_tile(row_base + a.groups * kTileTokens);
-      // Warps 4..7 write, then warps 0..3 add: half the buffer.
+      // Warps 4..7 write, then warps 0..3 add: half the buffer. Then warp w < kNT completes n-tile
+      // w's sums (0 + p0 + p1 + p2 + p3, p_w = a_{w+4} + a_w) in its own mma layout and warp kNT
+      // the sums of squares: ~40 instructions on 4 warps per tile where a loop over the 400 values
+      // on all 8 warps took ~130 each (SASS of 3ab923e).
       if (warp >= kWarps / 2) {
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
@@ -410,18 +413,21 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
         }
       }
       __syncthreads();
-      for (int idx = tid; idx < kTileTokens * kVals; idx += kThreads) {
-        const int tok = idx / kVals, n = idx % kVals, row = row_base + tok;
-        if (row >= T || (parts > 1 && (n < kRows ? n / 8 : 0) != part)) continue;  // this part's values
-        float v = 0.f;
-        if (n < kRows) {
+      static_assert(kNT < kWarps, "a warp per n-tile and one for the squares");
+      if (warp < kNT && (parts == 1 || warp == part)) {  // warp-uniform; decode: this part's n-tile
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = g + 8 * (e >> 1), n = warp * 8 + 2 * t + (e & 1), row = row_base + tok;
+          float v = 0.f;
 #pragma unroll
           for (int w = 0; w < kWarps / 2; ++w) v += s_red[buf][w][tok][n];
-        } else {
-#pragma unroll
-          for (int w = 0; w < kWarps; ++w) v += s_redsq[buf][w][tok];
+          if (row < T) a.ws[((size_t)row * S + slice) * kVals + n] = v;
         }
-        a.ws[((size_t)row * S + slice) * kVals + n] = v;
+      } else if (const int row = row_base + lane; warp == kNT && lane < kTileTokens && row < T && part == 0) {
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) v += s_redsq[buf][w][lane];
+        a.ws[((size_t)row * S + slice) * kVals + kRows] = v;
       }
     }
   }
