@@ -50,7 +50,7 @@ inline cudaError_t resident_ctas(const void* kernel, int threads, size_t smem, i
 // Pass-1 CTAs of this variant that fit on the device at once.
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead>
 inline cudaError_t rows_max_ctas(int hidden, int* out) {
-  return resident_ctas((const void*)mhc_rows_kernel<kSrc, kPost, kPre, kHead>, kThreads,
+  return resident_ctas((const void*)mhc_rows_kernel<kSrc, kPost, kPre, kHead, kPre>, kThreads,
                        rows_smem_bytes<kSrc, kPost, kPre, kHead>(hidden), out);
 }
 
@@ -125,13 +125,17 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   a.parts = kPre && kParts > 1 && (long)num_tiles * a.slices * kParts <= max_ctas ? kParts : 1;
   a.exit_barrier = kSrc == YSrc::kPeers && kPre && !kGather;
   a.push_barrier = kGather && kSrc != YSrc::kPeers;  // kPeers: pass 1's entry barrier does it
-  const void* rows = (const void*)mhc_rows_kernel<kSrc, kPost, kPre, kHead>;
+  const bool staged = kPre && rows_staged(num_tiles, a.groups);
+  void (*rows)(TileArgs) =
+      staged ? mhc_rows_kernel<kSrc, kPost, kPre, kHead, kPre> : mhc_rows_kernel<kSrc, kPost, kPre, kHead, false>;
   const size_t smem = rows_smem_bytes<kSrc, kPost, kPre, kHead>(D);
-  if ((e = cudaFuncSetAttribute(rows, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) != cudaSuccess) return e;
+  if ((e = cudaFuncSetAttribute((const void*)rows, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) !=
+      cudaSuccess)
+    return e;
   if (debug_enabled())
-    std::fprintf(stderr, "spkernels: rows kernel T=%d D=%d slices=%d groups=%d parts=%d smem=%zu\n", T, D, a.slices,
-                 a.groups, a.parts, smem);
-  mhc_rows_kernel<kSrc, kPost, kPre, kHead><<<a.slices * a.groups * a.parts, kThreads, smem, stream>>>(a);
+    std::fprintf(stderr, "spkernels: rows kernel T=%d D=%d slices=%d groups=%d parts=%d smem=%zu%s\n", T, D, a.slices,
+                 a.groups, a.parts, smem, staged ? " (fn staged)" : "");
+  rows<<<a.slices * a.groups * a.parts, kThreads, smem, stream>>>(a);
   if ((e = cudaGetLastError()) != cudaSuccess || !kPre) return e;
   if ((e = launch_collapse<kHead, kGather>(a, stream)) != cudaSuccess || !kGather) return e;
   const size_t bytes = (size_t)T * D * 2;  // one rank's block: T_local rows

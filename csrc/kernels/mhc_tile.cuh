@@ -96,6 +96,9 @@ __host__ __device__ inline size_t fn_smem_bytes(int hidden) {
   return (size_t)kHC * slice_groups(hidden, slices) * 2 * FnRows<kHead>::kRows * 4 * sizeof(uint4);
 }
 
+// Pass 1 of a pre stages its fn slice in shared memory when its CTAs have several tiles.
+__host__ __device__ inline bool rows_staged(int num_tiles, int groups) { return num_tiles > groups; }
+
 // One entry of the CTA's fn slice as an mma B fragment, split into bf16 hi and lo: for fn row n
 // and stream i, elements 4s..4s+3 of vector `vec` of the slice as {hi01, hi23, lo01, lo23}. The k
 // order inside a 16-wide mma step is permuted (thread t owns 4 contiguous elements) identically
@@ -172,8 +175,8 @@ __device__ __forceinline__ uint4 post_mix_vector(const float* mix, const float (
   return float_to_bf16x8(nv);
 }
 
-template <YSrc kSrc, bool kPost, bool kPre, bool kHead>
-__device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
+template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kStaged>
+__device__ __forceinline__ void mhc_rows(const TileArgs& a) {
   constexpr int kRows = FnRows<kHead>::kRows;
   constexpr int kVals = FnRows<kHead>::kVals;
   constexpr int kNT = kRows / 8;
@@ -361,9 +364,12 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
 #pragma unroll
           for (int s = 0; s < 2; ++s)
 #pragma unroll
-            for (int nt = 0; nt < kNT; ++nt)
-              q[s][nt] = staged ? s_fn[(((i * gmax + warp) * 2 + s) * kRows + nt * 8 + g) * 4 + t]
-                                : fn_fragment<kHead>(a, i, nt * 8 + g, vec, s, v0, W);
+            for (int nt = 0; nt < kNT; ++nt) {
+              if constexpr (kStaged)
+                q[s][nt] = s_fn[(((i * gmax + warp) * 2 + s) * kRows + nt * 8 + g) * 4 + t];
+              else
+                q[s][nt] = fn_fragment<kHead>(a, i, nt * 8 + g, vec, s, v0, W);
+            }
 #pragma unroll
           for (int s = 0; s < 2; ++s) {
             const uint32_t a0 = word_of(x[0][i], 2 * s), a1 = word_of(x[1][i], 2 * s);
@@ -379,7 +385,10 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
       }
       if constexpr (kPipe)
         if (tile + a.groups < num_tiles) load_tile(row_base + a.groups * kTileTokens);
-      // Warps 4..7 write, then warps 0..3 add: half the buffer.
+      // Warps 4..7 write, then warps 0..3 add: half the buffer. Then warp w < kNT completes n-tile
+      // w's sums (0 + p0 + p1 + p2 + p3, p_w = a_{w+4} + a_w) in its own mma layout and warp kNT
+      // the sums of squares: ~40 instructions on 4 warps per tile where a loop over the 400 values
+      // on all 8 warps took ~130 each (SASS of 3ab923e).
       if (warp >= kWarps / 2) {
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
@@ -404,18 +413,21 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
         }
       }
       __syncthreads();
-      for (int idx = tid; idx < kTileTokens * kVals; idx += kThreads) {
-        const int tok = idx / kVals, n = idx % kVals, row = row_base + tok;
-        if (row >= T || (parts > 1 && (n < kRows ? n / 8 : 0) != part)) continue;  // this part's values
-        float v = 0.f;
-        if (n < kRows) {
+      static_assert(kNT < kWarps, "a warp per n-tile and one for the squares");
+      if (warp < kNT && (parts == 1 || warp == part)) {  // warp-uniform; decode: this part's n-tile
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = g + 8 * (e >> 1), n = warp * 8 + 2 * t + (e & 1), row = row_base + tok;
+          float v = 0.f;
 #pragma unroll
           for (int w = 0; w < kWarps / 2; ++w) v += s_red[buf][w][tok][n];
-        } else {
-#pragma unroll
-          for (int w = 0; w < kWarps; ++w) v += s_redsq[buf][w][tok];
+          if (row < T) a.ws[((size_t)row * S + slice) * kVals + n] = v;
         }
-        a.ws[((size_t)row * S + slice) * kVals + n] = v;
+      } else if (const int row = row_base + lane; warp == kNT && lane < kTileTokens && row < T && part == 0) {
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) v += s_redsq[buf][w][lane];
+        a.ws[((size_t)row * S + slice) * kVals + kRows] = v;
       }
     }
   }
@@ -426,15 +438,18 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, bool staged) {
 // rank's partial any more); with a pre the exit is pass 2's or the copy-in's. In SP mode without a
 // post (mhc_pre_ag), CTA 0 syncs once so that pass 2 may push into the peers' gather regions
 // ((B) in lsa_gather.cuh).
-template <YSrc kSrc, bool kPost, bool kPre, bool kHead>
+//
+// kStaged (a pre whose CTAs have several tiles: rows_staged): fn fragments from shared memory,
+// staged once; else straight from global memory. A template parameter, not a runtime select: the
+// select compiled to a branch around each of a stream's 6 fragment loads (SASS of 3ab923e).
+template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kStaged>
 __global__ void __launch_bounds__(kThreads, 2) mhc_rows_kernel(const __grid_constant__ TileArgs a) {
+  static_assert(kPre || !kStaged, "only a pre stages fn");
   // With a pre, the next kernel is our pass 2, which waits for this grid's completion before it
   // touches memory (pdl.cuh): letting it launch now only hides its launch latency.
   if constexpr (kPre) pdl_launch_dependents();
-  const int num_tiles = (a.num_tokens + kTileTokens - 1) / kTileTokens;
-  const bool staged = kPre && num_tiles > a.groups;  // several tiles per CTA: fn fragments from smem
-  if constexpr (kPre) {
-    if (staged) {
+  if constexpr (kStaged) {
+    {
       const int S = a.slices, slice = blockIdx.x / a.parts % S, nvec = a.hidden >> 3;
       const int v0 = slice * nvec / S;
       stage_fn_slice<kHead>(a, v0, (slice + 1) * nvec / S - v0, slice_groups(a.hidden, S));
@@ -444,7 +459,7 @@ __global__ void __launch_bounds__(kThreads, 2) mhc_rows_kernel(const __grid_cons
     LsaBarrier bar(a.lsa.window, a.lsa.rank, a.lsa.world, a.lsa.barrier, blockIdx.x);
     // Entry: every peer's partial is written. A wait that timed out returns too (the host reports it).
     bar.sync(BarrierSite::kEntry);
-    mhc_rows<kSrc, kPost, kPre, kHead>(a, staged);
+    mhc_rows<kSrc, kPost, kPre, kHead, kStaged>(a);
     if constexpr (!kPre) bar.sync(BarrierSite::kExit);
   } else {
     if constexpr (kSrc == YSrc::kNone && kPre) {
@@ -454,7 +469,7 @@ __global__ void __launch_bounds__(kThreads, 2) mhc_rows_kernel(const __grid_cons
         bar.sync(BarrierSite::kGatherPush);
       }
     }
-    mhc_rows<kSrc, kPost, kPre, kHead>(a, staged);
+    mhc_rows<kSrc, kPost, kPre, kHead, kStaged>(a);
   }
 }
 
