@@ -99,10 +99,11 @@ __host__ __device__ inline size_t fn_smem_bytes(int hidden) {
 // Pass 1 of a pre stages its fn slice in shared memory when its CTAs have several tiles.
 __host__ __device__ inline bool rows_staged(int num_tiles, int groups) { return num_tiles > groups; }
 
-// One entry of the CTA's fn slice as an mma B fragment, split into bf16 hi and lo: for fn row n
-// and stream i, elements 4s..4s+3 of vector `vec` of the slice as {hi01, hi23, lo01, lo23}. The k
-// order inside a 16-wide mma step is permuted (thread t owns 4 contiguous elements) identically
-// for A and B, so the product is unchanged and both operands load as plain vectors.
+// One entry of the CTA's fn slice as an mma A fragment, split into bf16 hi and lo: for fn row n
+// and stream i, elements 4s..4s+3 of vector `vec` of the slice as {hi01, lo01, hi23, lo23}, i.e.
+// hi in the m-tile's row g and lo in row g + 8. The k order inside a 16-wide mma step is permuted
+// (thread t owns 4 contiguous elements) identically for A and B, so the product is unchanged and
+// both operands load as plain vectors.
 template <bool kHead>
 __device__ __forceinline__ uint4 fn_fragment(const TileArgs& a, int i, int n, int vec, int s, int v0, int W) {
   float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -110,8 +111,8 @@ __device__ __forceinline__ uint4 fn_fragment(const TileArgs& a, int i, int n, in
     f = __ldg(reinterpret_cast<const float4*>(a.fn + (size_t)n * kHC * a.hidden + (size_t)i * a.hidden +
                                               (size_t)(v0 + vec) * 8 + 4 * s));
   uint4 q;
-  split_bf16x2(f.x, f.y, q.x, q.z);
-  split_bf16x2(f.z, f.w, q.y, q.w);
+  split_bf16x2(f.x, f.y, q.x, q.y);
+  split_bf16x2(f.z, f.w, q.z, q.w);
   return q;
 }
 
@@ -142,21 +143,11 @@ __device__ __forceinline__ void stage_fn_slice(const TileArgs& a, int v0, int W,
     const int e = threadIdx.x + k * kThreads;
     if (e >= entries) break;
     uint4 q;
-    split_bf16x2(f[k].x, f[k].y, q.x, q.z);
-    split_bf16x2(f[k].z, f[k].w, q.y, q.w);
+    split_bf16x2(f[k].x, f[k].y, q.x, q.y);
+    split_bf16x2(f[k].z, f[k].w, q.z, q.w);
     s_fn[e] = q;
   }
   __syncthreads();
-}
-
-// One k-step (16 elements of stream i: this thread's 4 of token g in x0, of token g + 8 in x1)
-// of the tile's token-by-token products: sqc[0][m][n] += x_m · x_n for tokens n < 8, sqc[1] for
-// n = 8 + (0..7). mhc_rows reads the diagonal.
-__device__ __forceinline__ void square_sums(float (&sqc)[2][4], const uint4& x0, const uint4& x1, int s) {
-  const uint32_t a0 = word_of(x0, 2 * s), a1 = word_of(x1, 2 * s);
-  const uint32_t a2 = word_of(x0, 2 * s + 1), a3 = word_of(x1, 2 * s + 1);
-  mma_bf16_16816(sqc[0], a0, a1, a2, a3, a0, a2);
-  mma_bf16_16816(sqc[1], a0, a1, a2, a3, a1, a3);
 }
 
 // The post's new stream j for one 8-column vector: bf16(post[j] * y + sum_i res[i][j] * x_i), the
@@ -323,16 +314,33 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
 
     if constexpr (kPre) {
       // ---- B: m = fn · x on tensor cores and sum x^2, reduced warp -> CTA in a fixed order.
-      // The sums of squares on the tensor cores too: the tile's A fragment times itself as B
-      // (B's column n = token n's k values, which are A's row n words a0/a2, rows 8..15 a1/a3)
-      // gives x_m · x_n; each token's own product is the diagonal. bf16 products are exact in
-      // fp32, so this is the same sum as a loop of FFMAs in another order, for 16 mma per warp
-      // and tile instead of ~130 conversions and FFMAs (ncu: pass 1 waits on such short chains).
-      float sqc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // tokens 0..7 | 8..15 as n
-      float acc[kNT][4];
+      // x is the mma's B operand (n = token): each 16-byte stream load is two k-steps' B fragments
+      // as loaded, (x.x, x.y) and (x.z, x.w), with no register moves (as the A operand, each
+      // fragment took 4 moves from two tokens' loads: ~150 of pass 1's ~600 instructions per warp
+      // and tile, ncu at 2be9a11). fn is A: m-tile p holds fn rows 8p..8p+7, hi in its rows 0..7
+      // and lo in 8..15, so acc[p][h] = {hi, hi, lo, lo} sums of row 8p + g for tokens 8h + 2t,
+      // 8h + 2t + 1, and m = hi + lo once every k-step is in.
+      // The sums of squares on the tensor cores too: m16n8k8 with A = (x.x, x.y) and B = x.x gives
+      // D[g][g] = token g's x.x · x.x (rows g + 8 and the other columns are cross products, unused),
+      // B = x.y gives D[g + 8][g] = x.y · x.y: bf16 products are exact in fp32, so this is the
+      // sum of a loop of FFMAs in another order, for 32 mma per warp and tile instead of ~130
+      // conversions and FFMAs.
+      float sqa[2][4] = {}, sqb[2][4] = {};  // per n-tile h: D[g][g] sums | D[g + 8][g] sums
+      float acc[kNT][2][4] = {};
+      auto squares = [&](const uint4& v, int h) {
+        mma_bf16_1688(sqa[h], v.x, v.y, v.x);
+        mma_bf16_1688(sqb[h], v.x, v.y, v.y);
+        mma_bf16_1688(sqa[h], v.z, v.w, v.z);
+        mma_bf16_1688(sqb[h], v.z, v.w, v.w);
+      };
+      auto products = [&](float(&c)[2][4], const uint4& q0, const uint4& q1, int i) {
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-      // warp-uniform; decode: this CTA's 8 fn rows (n-tile `part`). Never for the head (one n-tile,
+        for (int h = 0; h < 2; ++h) {
+          mma_bf16_16816(c[h], q0.x, q0.y, q0.z, q0.w, x[h][i].x, x[h][i].y);
+          mma_bf16_16816(c[h], q1.x, q1.y, q1.z, q1.w, x[h][i].z, x[h][i].w);
+        }
+      };
+      // warp-uniform; decode: this CTA's 8 fn rows (m-tile `part`, in acc[0]). Never for the head (one m-tile,
       // parts == 1): compiled in, the path cost it 119 registers against 84 without.
       if (kNT > 1 && warp < gmax && parts > 1) {
         uint4 q[kHC][2];  // every fragment in flight at once
@@ -341,83 +349,79 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
 #pragma unroll
           for (int s = 0; s < 2; ++s) q[i][s] = fn_fragment<kHead>(a, i, part * 8 + g, vec, s, v0, W);
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-          if (nt != part) continue;  // acc[nt] stays a register; the same mma order as below
-#pragma unroll
-          for (int i = 0; i < kHC; ++i)
-#pragma unroll
-            for (int s = 0; s < 2; ++s) {
-              const uint32_t a0 = word_of(x[0][i], 2 * s), a1 = word_of(x[1][i], 2 * s);
-              const uint32_t a2 = word_of(x[0][i], 2 * s + 1), a3 = word_of(x[1][i], 2 * s + 1);
-              mma_bf16_16816(acc[nt], a0, a1, a2, a3, q[i][s].x, q[i][s].y);  // hi
-              mma_bf16_16816(acc[nt], a0, a1, a2, a3, q[i][s].z, q[i][s].w);  // lo
-            }
-        }
+        for (int i = 0; i < kHC; ++i) products(acc[0], q[i][0], q[i][1], i);  // the same mma order as below
 #pragma unroll
         for (int i = 0; i < kHC; ++i)
 #pragma unroll
-          for (int s = 0; s < 2; ++s) square_sums(sqc, x[0][i], x[1][i], s);
+          for (int h = 0; h < 2; ++h) squares(x[h][i], h);
       } else if (warp < gmax) {  // warp-uniform
 #pragma unroll
         for (int i = 0; i < kHC; ++i) {
-          uint4 q[2][kNT];
 #pragma unroll
-          for (int s = 0; s < 2; ++s)
+          for (int p = 0; p < kNT; ++p) {
+            uint4 q[2];
 #pragma unroll
-            for (int nt = 0; nt < kNT; ++nt) {
+            for (int s = 0; s < 2; ++s) {
               if constexpr (kStaged)
-                q[s][nt] = s_fn[(((i * gmax + warp) * 2 + s) * kRows + nt * 8 + g) * 4 + t];
+                q[s] = s_fn[(((i * gmax + warp) * 2 + s) * kRows + p * 8 + g) * 4 + t];
               else
-                q[s][nt] = fn_fragment<kHead>(a, i, nt * 8 + g, vec, s, v0, W);
+                q[s] = fn_fragment<kHead>(a, i, p * 8 + g, vec, s, v0, W);
             }
-#pragma unroll
-          for (int s = 0; s < 2; ++s) {
-            const uint32_t a0 = word_of(x[0][i], 2 * s), a1 = word_of(x[1][i], 2 * s);
-            const uint32_t a2 = word_of(x[0][i], 2 * s + 1), a3 = word_of(x[1][i], 2 * s + 1);
-#pragma unroll
-            for (int nt = 0; nt < kNT; ++nt) {
-              mma_bf16_16816(acc[nt], a0, a1, a2, a3, q[s][nt].x, q[s][nt].y);  // hi
-              mma_bf16_16816(acc[nt], a0, a1, a2, a3, q[s][nt].z, q[s][nt].w);  // lo
-            }
-            square_sums(sqc, x[0][i], x[1][i], s);
+            products(acc[p], q[0], q[1], i);
           }
+#pragma unroll
+          for (int h = 0; h < 2; ++h) squares(x[h][i], h);
         }
       }
       if constexpr (kPipe)
         if (tile + a.groups < num_tiles) load_tile(row_base + a.groups * kTileTokens);
-      // Warps 4..7 write, then warps 0..3 add: half the buffer. Then warp w < kNT completes n-tile
-      // w's sums (0 + p0 + p1 + p2 + p3, p_w = a_{w+4} + a_w) in its own mma layout and warp kNT
+      // m = hi + lo: v[p][h][e] is row 8 (p + p0) + g, token 8h + 2t + e; at decode a CTA has its
+      // part's m-tile only, in acc[0].
+      const int p0 = parts > 1 ? part : 0, np = parts > 1 ? 1 : kNT;
+      float v[kNT][2][2];
+#pragma unroll
+      for (int p = 0; p < kNT; ++p)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          v[p][h][0] = acc[p][h][0] + acc[p][h][2];
+          v[p][h][1] = acc[p][h][1] + acc[p][h][3];
+        }
+      // Warps 4..7 write, then warps 0..3 add: half the buffer. Then warp w < kNT completes rows
+      // 8w..8w+7 (0 + p0 + p1 + p2 + p3, p_w = a_{w+4} + a_w) in its own mma layout and warp kNT
       // the sums of squares: ~40 instructions on 4 warps per tile where a loop over the 400 values
       // on all 8 warps took ~130 each (SASS of 3ab923e).
       if (warp >= kWarps / 2) {
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-          s_red[buf][warp - kWarps / 2][g][nt * 8 + 2 * t] = acc[nt][0];
-          s_red[buf][warp - kWarps / 2][g][nt * 8 + 2 * t + 1] = acc[nt][1];
-          s_red[buf][warp - kWarps / 2][g + 8][nt * 8 + 2 * t] = acc[nt][2];
-          s_red[buf][warp - kWarps / 2][g + 8][nt * 8 + 2 * t + 1] = acc[nt][3];
+        for (int p = 0; p < kNT; ++p) {
+          if (p == np) break;
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) s_red[buf][warp - kWarps / 2][8 * h + 2 * t + e][(p + p0) * 8 + g] = v[p][h][e];
         }
       }
-      if (t == g >> 1) {  // C[g][g] and C[g + 8][g]: c0 / c1 and c2 / c3 of thread (g, g / 2)
-        s_redsq[buf][warp][g] = g & 1 ? sqc[0][1] : sqc[0][0];
-        s_redsq[buf][warp][g + 8] = g & 1 ? sqc[1][3] : sqc[1][2];
+      if (t == g >> 1) {  // D[g][g] and D[g + 8][g]: c0 / c1 and c2 / c3 of thread (g, g / 2)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          s_redsq[buf][warp][8 * h + g] = g & 1 ? sqa[h][1] + sqb[h][3] : sqa[h][0] + sqb[h][2];
       }
       __syncthreads();
       if (warp < kWarps / 2) {
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-          s_red[buf][warp][g][nt * 8 + 2 * t] += acc[nt][0];
-          s_red[buf][warp][g][nt * 8 + 2 * t + 1] += acc[nt][1];
-          s_red[buf][warp][g + 8][nt * 8 + 2 * t] += acc[nt][2];
-          s_red[buf][warp][g + 8][nt * 8 + 2 * t + 1] += acc[nt][3];
+        for (int p = 0; p < kNT; ++p) {
+          if (p == np) break;
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) s_red[buf][warp][8 * h + 2 * t + e][(p + p0) * 8 + g] += v[p][h][e];
         }
       }
       __syncthreads();
-      static_assert(kNT < kWarps, "a warp per n-tile and one for the squares");
-      if (warp < kNT && (parts == 1 || warp == part)) {  // warp-uniform; decode: this part's n-tile
+      static_assert(kNT < kWarps, "a warp per m-tile and one for the squares");
+      if (warp < kNT && (parts == 1 || warp == part)) {  // warp-uniform; decode: this part's m-tile
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int tok = g + 8 * (e >> 1), n = warp * 8 + 2 * t + (e & 1), row = row_base + tok;
+          const int tok = 8 * (e >> 1) + 2 * t + (e & 1), n = warp * 8 + g, row = row_base + tok;
           float v = 0.f;
 #pragma unroll
           for (int w = 0; w < kWarps / 2; ++w) v += s_red[buf][w][tok][n];
