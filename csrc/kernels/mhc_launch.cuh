@@ -50,7 +50,8 @@ inline cudaError_t resident_ctas(const void* kernel, int threads, size_t smem, i
 // Pass-1 CTAs of this variant that fit on the device at once.
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead>
 inline cudaError_t rows_max_ctas(int hidden, int* out) {
-  return resident_ctas((const void*)mhc_rows_kernel<kSrc, kPost, kPre, kHead, kPre>, kThreads,
+  constexpr FnSrc kFn = kPre ? FnSrc::kShared : FnSrc::kGlobal;
+  return resident_ctas((const void*)mhc_rows_kernel<kSrc, kPost, kPre, kHead, kFn>, kThreads,
                        rows_smem_bytes<kSrc, kPost, kPre, kHead>(hidden), out);
 }
 
@@ -126,8 +127,12 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   a.exit_barrier = kSrc == YSrc::kPeers && kPre && !kGather;
   a.push_barrier = kGather && kSrc != YSrc::kPeers;  // kPeers: pass 1's entry barrier does it
   const bool staged = kPre && rows_staged(num_tiles, a.groups);
-  void (*rows)(TileArgs) =
-      staged ? mhc_rows_kernel<kSrc, kPost, kPre, kHead, kPre> : mhc_rows_kernel<kSrc, kPost, kPre, kHead, false>;
+  void (*rows)(TileArgs) = mhc_rows_kernel<kSrc, kPost, kPre, kHead, FnSrc::kGlobal>;
+  if constexpr (kPre) {
+    if (staged) rows = mhc_rows_kernel<kSrc, kPost, kPre, kHead, FnSrc::kShared>;
+    if constexpr (kParts > 1)
+      if (a.parts > 1) rows = mhc_rows_kernel<kSrc, kPost, kPre, kHead, FnSrc::kParts>;
+  }
   const size_t smem = rows_smem_bytes<kSrc, kPost, kPre, kHead>(D);
   if ((e = cudaFuncSetAttribute((const void*)rows, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) !=
       cudaSuccess)

@@ -32,6 +32,13 @@ namespace spk {
 
 enum class YSrc : int { kNone, kLocal, kPeers };
 
+// Where pass 1 of a pre takes its fn fragments, chosen at launch: global memory (one tile per CTA),
+// shared memory (several tiles per CTA: staged once), or global memory for one part of 8 fn rows
+// (decode: a.parts > 1). Each its own kernel: every path in one kernel cost the others registers
+// (the local post_pre's spilled 48-92 bytes) and a select per fragment compiled to a branch around
+// each load (SASS of 3ab923e).
+enum class FnSrc : int { kGlobal, kShared, kParts };
+
 struct LsaArgs {
   ncclWindow_t window;
   size_t partial_offset;  // bytes: this rank's [max_tokens, D] partial region of the window
@@ -166,7 +173,7 @@ __device__ __forceinline__ uint4 post_mix_vector(const float* mix, const float (
   return float_to_bf16x8(nv);
 }
 
-template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kStaged>
+template <YSrc kSrc, bool kPost, bool kPre, bool kHead, FnSrc kFn>
 __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
   constexpr int kRows = FnRows<kHead>::kRows;
   constexpr int kVals = FnRows<kHead>::kVals;
@@ -325,13 +332,31 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
       // B = x.y gives D[g + 8][g] = x.y · x.y: bf16 products are exact in fp32, so this is the
       // sum of a loop of FFMAs in another order, for 32 mma per warp and tile instead of ~130
       // conversions and FFMAs.
-      float sqa[2][4] = {}, sqb[2][4] = {};  // per n-tile h: D[g][g] sums | D[g + 8][g] sums
-      float acc[kNT][2][4] = {};
-      auto squares = [&](const uint4& v, int h) {
-        mma_bf16_1688(sqa[h], v.x, v.y, v.x);
-        mma_bf16_1688(sqb[h], v.x, v.y, v.y);
-        mma_bf16_1688(sqa[h], v.z, v.w, v.z);
-        mma_bf16_1688(sqb[h], v.z, v.w, v.w);
+      // sq[h]: this warp's sum of squares of token 8h + g in thread (g, g / 2), from D[g][g] (sqa: c0 /
+      // c1) and D[g + 8][g] (sqb: c2 / c3).
+      float sq[2] = {0.f, 0.f};
+      auto diagonal = [&](const float(&sqa)[2][4], const float(&sqb)[2][4]) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) sq[h] = g & 1 ? sqa[h][1] + sqb[h][3] : sqa[h][0] + sqb[h][2];
+      };
+      // m = hi + lo: v[p][h][e] is row 8 (p + p0) + g, token 8h + 2t + e; at decode a CTA has its
+      // part's m-tile only, in v[0] (each path folds its own accumulators: zeros carried from one
+      // path through the other cost the local post_pre 48 bytes of spills).
+      const int p0 = kFn == FnSrc::kParts ? part : 0;
+      constexpr int np = kFn == FnSrc::kParts ? 1 : kNT;
+      float v[kNT][2][2];
+      auto fold = [&](const float(&c)[2][4], int p) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          v[p][h][0] = c[h][0] + c[h][2];
+          v[p][h][1] = c[h][1] + c[h][3];
+        }
+      };
+      auto squares = [](float(&sqa)[4], float(&sqb)[4], const uint4& v) {
+        mma_bf16_1688(sqa, v.x, v.y, v.x);
+        mma_bf16_1688(sqb, v.x, v.y, v.y);
+        mma_bf16_1688(sqa, v.z, v.w, v.z);
+        mma_bf16_1688(sqb, v.z, v.w, v.w);
       };
       auto products = [&](float(&c)[2][4], const uint4& q0, const uint4& q1, int i) {
 #pragma unroll
@@ -340,21 +365,35 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
           mma_bf16_16816(c[h], q1.x, q1.y, q1.z, q1.w, x[h][i].z, x[h][i].w);
         }
       };
-      // warp-uniform; decode: this CTA's 8 fn rows (m-tile `part`, in acc[0]). Never for the head (one m-tile,
-      // parts == 1): compiled in, the path cost it 119 registers against 84 without.
-      if (kNT > 1 && warp < gmax && parts > 1) {
-        uint4 q[kHC][2];  // every fragment in flight at once
+      auto zeros = [&] {  // a warp past the slice's columns adds zeros
+        const float zero[2][4] = {};
 #pragma unroll
-        for (int i = 0; i < kHC; ++i)
+        for (int p = 0; p < np; ++p) fold(zero, p);
+      };
+      if constexpr (kFn == FnSrc::kParts) {  // decode: this CTA's 8 fn rows (m-tile `part`)
+        static_assert(kNT > 1, "parts split the fn rows");
+        if (warp >= gmax) {  // warp-uniform
+          zeros();
+        } else {
+          uint4 q[kHC][2];  // every fragment in flight at once
 #pragma unroll
-          for (int s = 0; s < 2; ++s) q[i][s] = fn_fragment<kHead>(a, i, part * 8 + g, vec, s, v0, W);
+          for (int i = 0; i < kHC; ++i)
 #pragma unroll
-        for (int i = 0; i < kHC; ++i) products(acc[0], q[i][0], q[i][1], i);  // the same mma order as below
+            for (int s = 0; s < 2; ++s) q[i][s] = fn_fragment<kHead>(a, i, part * 8 + g, vec, s, v0, W);
+          float acc[2][4] = {}, sqa[2][4] = {}, sqb[2][4] = {};
 #pragma unroll
-        for (int i = 0; i < kHC; ++i)
+          for (int i = 0; i < kHC; ++i) products(acc, q[i][0], q[i][1], i);  // the same mma order as below
+          fold(acc, 0);
 #pragma unroll
-          for (int h = 0; h < 2; ++h) squares(x[h][i], h);
-      } else if (warp < gmax) {  // warp-uniform
+          for (int i = 0; i < kHC; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) squares(sqa[h], sqb[h], x[h][i]);
+          diagonal(sqa, sqb);
+        }
+      } else if (warp >= gmax) {  // warp-uniform
+        zeros();
+      } else {
+        float acc[kNT][2][4] = {}, sqa[2][4] = {}, sqb[2][4] = {};
 #pragma unroll
         for (int i = 0; i < kHC; ++i) {
 #pragma unroll
@@ -362,7 +401,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
             uint4 q[2];
 #pragma unroll
             for (int s = 0; s < 2; ++s) {
-              if constexpr (kStaged)
+              if constexpr (kFn == FnSrc::kShared)
                 q[s] = s_fn[(((i * gmax + warp) * 2 + s) * kRows + p * 8 + g) * 4 + t];
               else
                 q[s] = fn_fragment<kHead>(a, i, p * 8 + g, vec, s, v0, W);
@@ -370,46 +409,35 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
             products(acc[p], q[0], q[1], i);
           }
 #pragma unroll
-          for (int h = 0; h < 2; ++h) squares(x[h][i], h);
+          for (int h = 0; h < 2; ++h) squares(sqa[h], sqb[h], x[h][i]);
         }
+#pragma unroll
+        for (int p = 0; p < kNT; ++p) fold(acc[p], p);
+        diagonal(sqa, sqb);
       }
       if constexpr (kPipe)
         if (tile + a.groups < num_tiles) load_tile(row_base + a.groups * kTileTokens);
-      // m = hi + lo: v[p][h][e] is row 8 (p + p0) + g, token 8h + 2t + e; at decode a CTA has its
-      // part's m-tile only, in acc[0].
-      const int p0 = parts > 1 ? part : 0, np = parts > 1 ? 1 : kNT;
-      float v[kNT][2][2];
-#pragma unroll
-      for (int p = 0; p < kNT; ++p)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          v[p][h][0] = acc[p][h][0] + acc[p][h][2];
-          v[p][h][1] = acc[p][h][1] + acc[p][h][3];
-        }
       // Warps 4..7 write, then warps 0..3 add: half the buffer. Then warp w < kNT completes rows
       // 8w..8w+7 (0 + p0 + p1 + p2 + p3, p_w = a_{w+4} + a_w) in its own mma layout and warp kNT
       // the sums of squares: ~40 instructions on 4 warps per tile where a loop over the 400 values
       // on all 8 warps took ~130 each (SASS of 3ab923e).
       if (warp >= kWarps / 2) {
 #pragma unroll
-        for (int p = 0; p < kNT; ++p) {
-          if (p == np) break;
+        for (int p = 0; p < np; ++p) {
 #pragma unroll
           for (int h = 0; h < 2; ++h)
 #pragma unroll
             for (int e = 0; e < 2; ++e) s_red[buf][warp - kWarps / 2][8 * h + 2 * t + e][(p + p0) * 8 + g] = v[p][h][e];
         }
       }
-      if (t == g >> 1) {  // D[g][g] and D[g + 8][g]: c0 / c1 and c2 / c3 of thread (g, g / 2)
+      if (t == g >> 1) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          s_redsq[buf][warp][8 * h + g] = g & 1 ? sqa[h][1] + sqb[h][3] : sqa[h][0] + sqb[h][2];
+        for (int h = 0; h < 2; ++h) s_redsq[buf][warp][8 * h + g] = sq[h];
       }
       __syncthreads();
       if (warp < kWarps / 2) {
 #pragma unroll
-        for (int p = 0; p < kNT; ++p) {
-          if (p == np) break;
+        for (int p = 0; p < np; ++p) {
 #pragma unroll
           for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -443,16 +471,14 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
 // post (mhc_pre_ag), CTA 0 syncs once so that pass 2 may push into the peers' gather regions
 // ((B) in lsa_gather.cuh).
 //
-// kStaged (a pre whose CTAs have several tiles: rows_staged): fn fragments from shared memory,
-// staged once; else straight from global memory. A template parameter, not a runtime select: the
-// select compiled to a branch around each of a stream's 6 fragment loads (SASS of 3ab923e).
-template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kStaged>
+// kFn: where a pre's fn fragments come from (FnSrc); kGlobal for a post alone.
+template <YSrc kSrc, bool kPost, bool kPre, bool kHead, FnSrc kFn>
 __global__ void __launch_bounds__(kThreads, 2) mhc_rows_kernel(const __grid_constant__ TileArgs a) {
-  static_assert(kPre || !kStaged, "only a pre stages fn");
+  static_assert(kPre || kFn == FnSrc::kGlobal, "only a pre has fn");
   // With a pre, the next kernel is our pass 2, which waits for this grid's completion before it
   // touches memory (pdl.cuh): letting it launch now only hides its launch latency.
   if constexpr (kPre) pdl_launch_dependents();
-  if constexpr (kStaged) {
+  if constexpr (kFn == FnSrc::kShared) {
     {
       const int S = a.slices, slice = blockIdx.x / a.parts % S, nvec = a.hidden >> 3;
       const int v0 = slice * nvec / S;
@@ -463,7 +489,7 @@ __global__ void __launch_bounds__(kThreads, 2) mhc_rows_kernel(const __grid_cons
     LsaBarrier bar(a.lsa.window, a.lsa.rank, a.lsa.world, a.lsa.barrier, blockIdx.x);
     // Entry: every peer's partial is written. A wait that timed out returns too (the host reports it).
     bar.sync(BarrierSite::kEntry);
-    mhc_rows<kSrc, kPost, kPre, kHead, kStaged>(a);
+    mhc_rows<kSrc, kPost, kPre, kHead, kFn>(a);
     if constexpr (!kPre) bar.sync(BarrierSite::kExit);
   } else {
     if constexpr (kSrc == YSrc::kNone && kPre) {
@@ -473,7 +499,7 @@ __global__ void __launch_bounds__(kThreads, 2) mhc_rows_kernel(const __grid_cons
         bar.sync(BarrierSite::kGatherPush);
       }
     }
-    mhc_rows<kSrc, kPost, kPre, kHead, kStaged>(a);
+    mhc_rows<kSrc, kPost, kPre, kHead, kFn>(a);
   }
 }
 
