@@ -340,8 +340,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
         for (int h = 0; h < 2; ++h) sq[h] = g & 1 ? sqa[h][1] + sqb[h][3] : sqa[h][0] + sqb[h][2];
       };
       // m = hi + lo: v[p][h][e] is row 8 (p + p0) + g, token 8h + 2t + e; at decode a CTA has its
-      // part's m-tile only, in v[0] (each path folds its own accumulators: zeros carried from one
-      // path through the other cost the local post_pre 48 bytes of spills).
+      // part's m-tile only, in v[0].
       const int p0 = kFn == FnSrc::kParts ? part : 0;
       constexpr int np = kFn == FnSrc::kParts ? 1 : kNT;
       float v[kNT][2][2];
@@ -479,11 +478,9 @@ __global__ void __launch_bounds__(kThreads, 2) mhc_rows_kernel(const __grid_cons
   // touches memory (pdl.cuh): letting it launch now only hides its launch latency.
   if constexpr (kPre) pdl_launch_dependents();
   if constexpr (kFn == FnSrc::kShared) {
-    {
-      const int S = a.slices, slice = blockIdx.x / a.parts % S, nvec = a.hidden >> 3;
-      const int v0 = slice * nvec / S;
-      stage_fn_slice<kHead>(a, v0, (slice + 1) * nvec / S - v0, slice_groups(a.hidden, S));
-    }
+    const int S = a.slices, slice = blockIdx.x / a.parts % S, nvec = a.hidden >> 3;
+    const int v0 = slice * nvec / S;
+    stage_fn_slice<kHead>(a, v0, (slice + 1) * nvec / S - v0, slice_groups(a.hidden, S));
   }
   if constexpr (kSrc == YSrc::kPeers) {
     LsaBarrier bar(a.lsa.window, a.lsa.rank, a.lsa.world, a.lsa.barrier, blockIdx.x);
