@@ -112,15 +112,24 @@ __host__ __device__ inline bool rows_staged(int num_tiles, int groups) { return 
 // (thread t owns 4 contiguous elements) identically for A and B, so the product is unchanged and
 // both operands load as plain vectors.
 template <bool kHead>
-__device__ __forceinline__ uint4 fn_fragment(const TileArgs& a, int i, int n, int vec, int s, int v0, int W) {
+__device__ __forceinline__ float4 fn_load(const TileArgs& a, int i, int n, int vec, int s, int v0, int W) {
   float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
   if (n < FnRows<kHead>::kValid && vec < W)
     f = __ldg(reinterpret_cast<const float4*>(a.fn + (size_t)n * kHC * a.hidden + (size_t)i * a.hidden +
                                               (size_t)(v0 + vec) * 8 + 4 * s));
+  return f;
+}
+
+__device__ __forceinline__ uint4 fn_split(const float4& f) {
   uint4 q;
   split_bf16x2(f.x, f.y, q.x, q.y);
   split_bf16x2(f.z, f.w, q.z, q.w);
   return q;
+}
+
+template <bool kHead>
+__device__ __forceinline__ uint4 fn_fragment(const TileArgs& a, int i, int n, int vec, int s, int v0, int W) {
+  return fn_split(fn_load<kHead>(a, i, n, vec, s, v0, W));
 }
 
 // The slice's fragments in shared memory for CTAs that reuse them over several tiles. Entry
@@ -140,19 +149,13 @@ __device__ __forceinline__ void stage_fn_slice(const TileArgs& a, int v0, int W,
     const int e = threadIdx.x + k * kThreads;
     const int t = e & 3, n = (e >> 2) % kRows, rest = (e >> 2) / kRows;
     const int s = rest & 1, grp = (rest >> 1) % gmax, i = (rest >> 1) / gmax, vec = grp * 4 + t;
-    f[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (e < entries && n < FnRows<kHead>::kValid && vec < W)
-      f[k] = __ldg(reinterpret_cast<const float4*>(a.fn + (size_t)n * kHC * a.hidden + (size_t)i * a.hidden +
-                                                   (size_t)(v0 + vec) * 8 + 4 * s));
+    f[k] = e < entries ? fn_load<kHead>(a, i, n, vec, s, v0, W) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
 #pragma unroll
   for (int k = 0; k < kMaxPer; ++k) {
     const int e = threadIdx.x + k * kThreads;
     if (e >= entries) break;
-    uint4 q;
-    split_bf16x2(f[k].x, f[k].y, q.x, q.y);
-    split_bf16x2(f[k].z, f[k].w, q.z, q.w);
-    s_fn[e] = q;
+    s_fn[e] = fn_split(f[k]);
   }
   __syncthreads();
 }
