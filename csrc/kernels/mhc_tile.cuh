@@ -724,7 +724,9 @@ __device__ __forceinline__ uint4 norm_vec(const uint4& yb, const uint4& nwb, flo
   return float_to_bf16x8(y);
 }
 
-// Rows [7 * blockIdx.x, +7), a warp per row (warps 0..6; warp 7 is the coefficient warp).
+// Rows [7 b, +7) with b = blocks - 1 - blockIdx.x (the last rows first: pass 1 read the last tiles
+// last, and their stream is still in L2), a warp per row (warps 0..6; warp 7 is the coefficient
+// warp).
 // Dynamic shared memory: the rows' bf16 collapse between the two halves of the fused RMSNorm
 // (7 * D * 2 bytes), else none. A programmatic dependent launch of pass 1 (pdl.cuh's rule:
 // pdl_wait() comes first).
@@ -736,7 +738,8 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
   if (!collapse_prologue<kGather>(a)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int D = a.hidden, nvec = D >> 3, T = a.num_tokens;
-  const int row0 = blockIdx.x * kCollapseRows, row = row0 + warp;
+  const int blocks = (T + kCollapseRows - 1) / kCollapseRows;
+  const int row0 = (blocks - 1 - (int)blockIdx.x) * kCollapseRows, row = row0 + warp;
   const uint4* src =
       reinterpret_cast<const uint4*>((a.new_stream != nullptr ? a.new_stream : a.stream) + (size_t)row * kHC * D);
   // kCollapseBatch vectors of every stream loaded before any store: the compiler cannot move a
@@ -791,7 +794,7 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
   }
 }
 
-// Row blockIdx.x, a CTA per row: thread t < 224 owns vectors t + 224 m (m < kV, kV * 224 >= D / 8)
+// Row T - 1 - blockIdx.x, a CTA per row: thread t < 224 owns vectors t + 224 m (m < kV, kV * 224 >= D / 8)
 // and issues every load (the streams, the norm weight) before the coefficients are known, so one
 // memory round trip overlaps the partials' sum; warp 7 is the coefficient warp. The norm's sum
 // goes through shared memory in the warp kernel's order.
@@ -803,7 +806,10 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
   __shared__ float s_coef[kQuadRows][kHC];
   __shared__ float s_sq[kV * kCollapseThreads];  // per-vector sums of squares
   __shared__ float s_rn;
-  const int tid = threadIdx.x, D = a.hidden, nvec = D >> 3, row = blockIdx.x;
+  const int tid = threadIdx.x, D = a.hidden, nvec = D >> 3;
+  // The last row first: pass 1 read the last tiles last, and their stream is still in L2. The TP
+  // exit-barrier CTA (blockIdx.x == T) gets no row.
+  const int row = (int)blockIdx.x < a.num_tokens ? a.num_tokens - 1 - (int)blockIdx.x : a.num_tokens;
   const bool norm = !kHead && a.norm_weight != nullptr;
   // A pre's stream and the norm weight are the op's inputs, complete before pass 1 started and
   // written by no kernel of the op: loaded before pdl_wait() (pdl.cuh's exception), they are in
