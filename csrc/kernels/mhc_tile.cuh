@@ -724,7 +724,10 @@ __device__ __forceinline__ uint4 norm_vec(const uint4& yb, const uint4& nwb, flo
   return float_to_bf16x8(y);
 }
 
-// Rows [7 * blockIdx.x, +7), a warp per row (warps 0..6; warp 7 is the coefficient warp).
+// Rows [7 b, +7), a warp per row (warps 0..6; warp 7 is the coefficient warp). A pre without a
+// post takes the last rows first (b = blocks - 1 - blockIdx.x): pass 1 read the last tiles last,
+// and their stream is still in L2 (A/B in bench/NOTES.md: mhc_pre T = 2048-16384 -0-6%; for a
+// post_pre, which reads pass 1's new stream, it was mixed, +7% at T = 16384).
 // Dynamic shared memory: the rows' bf16 collapse between the two halves of the fused RMSNorm
 // (7 * D * 2 bytes), else none. A programmatic dependent launch of pass 1 (pdl.cuh's rule:
 // pdl_wait() comes first).
@@ -736,7 +739,9 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
   if (!collapse_prologue<kGather>(a)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int D = a.hidden, nvec = D >> 3, T = a.num_tokens;
-  const int row0 = blockIdx.x * kCollapseRows, row = row0 + warp;
+  const int blocks = (T + kCollapseRows - 1) / kCollapseRows;
+  const int b = a.new_stream == nullptr ? blocks - 1 - (int)blockIdx.x : (int)blockIdx.x;
+  const int row0 = b * kCollapseRows, row = row0 + warp;
   const uint4* src =
       reinterpret_cast<const uint4*>((a.new_stream != nullptr ? a.new_stream : a.stream) + (size_t)row * kHC * D);
   // kCollapseBatch vectors of every stream loaded before any store: the compiler cannot move a
@@ -791,10 +796,10 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
   }
 }
 
-// Row blockIdx.x, a CTA per row: thread t < 224 owns vectors t + 224 m (m < kV, kV * 224 >= D / 8)
-// and issues every load (the streams, the norm weight) before the coefficients are known, so one
-// memory round trip overlaps the partials' sum; warp 7 is the coefficient warp. The norm's sum
-// goes through shared memory in the warp kernel's order.
+// Row blockIdx.x (a pre: T - 1 - blockIdx.x), a CTA per row: thread t < 224 owns vectors t + 224 m
+// (m < kV, kV * 224 >= D / 8) and issues every load (the streams, the norm weight) before the
+// coefficients are known, so one memory round trip overlaps the partials' sum; warp 7 is the
+// coefficient warp. The norm's sum goes through shared memory in the warp kernel's order.
 template <bool kHead, bool kGather, int kV>
 __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
                                             : kV <= 4 ? 2
@@ -803,12 +808,15 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
   __shared__ float s_coef[kQuadRows][kHC];
   __shared__ float s_sq[kV * kCollapseThreads];  // per-vector sums of squares
   __shared__ float s_rn;
-  const int tid = threadIdx.x, D = a.hidden, nvec = D >> 3, row = blockIdx.x;
+  const int tid = threadIdx.x, D = a.hidden, nvec = D >> 3, T = a.num_tokens;
   const bool norm = !kHead && a.norm_weight != nullptr;
   // A pre's stream and the norm weight are the op's inputs, complete before pass 1 started and
   // written by no kernel of the op: loaded before pdl_wait() (pdl.cuh's exception), they are in
   // flight while pass 1 still runs. A post_pre's new stream is pass 1's output: after the wait.
   const bool early = a.new_stream == nullptr;
+  // A pre without a post: the last row first, as in the warp kernel. The TP exit-barrier CTA
+  // (blockIdx.x == T) gets no row.
+  const int row = !early || (int)blockIdx.x >= T ? (int)blockIdx.x : T - 1 - (int)blockIdx.x;
   uint4 x[kV][kHC], nw[kV];
   auto load_row = [&](const __nv_bfloat16* stream) {
     const uint4* src = reinterpret_cast<const uint4*>(stream + (size_t)row * kHC * D);
