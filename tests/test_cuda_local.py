@@ -172,9 +172,9 @@ def test_deterministic_across_calls(mhc):
 @pytest.mark.parametrize("D", [4096, 7168])
 def test_rows_do_not_depend_on_T(mhc, D):
     """A row's outputs are bitwise the same whether it comes in a decode batch (pass 1 split over
-    the fn rows, pass 2 a CTA per row while the rows fit on the GPU at once, a post alone a thread
-    per vector) or in a large one (several tiles per CTA; pass 2 a warp per row): SP and TP agree,
-    and so do padded and unpadded batches."""
+    the fn rows, pass 2 a CTA per row while the rows fit on the GPU in two waves, a post alone a
+    thread per vector) or in a large one (several tiles per CTA; pass 2 a warp per row): SP and TP
+    agree, and so do padded and unpadded batches."""
     T = 4099
     stream, site, _ = inputs(mhc, T, D)
     head = to_cuda(mhc.head(D))
@@ -191,7 +191,8 @@ def test_rows_do_not_depend_on_T(mhc, D):
     def misaligned(x):  # contiguous, one float past a 16-byte boundary (the mixes may be such views)
         return torch.empty(x.numel() + 4, device=x.device)[1 : 1 + x.numel()].view(x.shape).copy_(x)
 
-    for t in (1, 8, 17, 64, 128, 129, 264, 265, 400, 1000):  # 264: 2 row-kernel CTAs x 132 SMs (H200)
+    # 264: 2 row-kernel CTAs x 132 SMs (H200), 528: two waves of them
+    for t in (1, 8, 17, 64, 128, 129, 264, 265, 400, 528, 529, 1000):
         got = ops.mhc_post(y[:t], stream[:t], post_mix[:t], res_mix[:t])
         assert torch.equal(got, full_post[:t]), f"mhc_post T={t}"
         got = ops.mhc_post(y[:t], stream[:t], misaligned(post_mix[:t]), misaligned(res_mix[:t]))

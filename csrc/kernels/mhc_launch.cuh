@@ -55,11 +55,16 @@ inline cudaError_t rows_max_ctas(int hidden, int* out) {
                        rows_smem_bytes<kSrc, kPost, kPre, kHead>(hidden), out);
 }
 
-// Pass 2 of a pre: a CTA per row while every row's CTA fits on the device at once (each row's
-// loads in one round, the rows side by side: ncu at D = 4096, T = 128 7.4 us, while the warp kernel
-// took 12.5 at T = 256 on a quarter of the SMs), else a warp per row (7 rows per CTA). Both give
-// the same bits (mhc_tile.cuh). With a.exit_barrier (TP) one more CTA than the rows need: it does
-// the exit barrier alone. *row: the row kernel for D (null if D > 8192: the ops check it first).
+// Pass 2 of a pre: a CTA per row while the rows' CTAs fit on the device in kRowWaves waves (each
+// row's loads in one round, the rows side by side: ncu at D = 4096, T = 128 7.4 us, while the warp
+// kernel took 12.5 at T = 256 on a quarter of the SMs), else a warp per row (7 rows per CTA). Both
+// give the same bits (mhc_tile.cuh). With a.exit_barrier (TP) one more CTA than the rows need: it
+// does the exit barrier alone. *row: the row kernel for D (null if D > 8192: the ops check it first).
+// Two waves, not one (bench/results/ab_waves_2026-11-30.txt, T = 512: mhc_pre -9% at D = 4096 and
+// -16% at D = 7168, the head -13 / -20%, mhc_post_pre -7 / -18%); four were 6-21% slower at
+// T = 1024 than the warp kernel.
+constexpr int kRowWaves = 2;
+
 template <bool kHead, bool kGather>
 inline cudaError_t collapse_plan(const TileArgs& a, void (**row)(TileArgs), bool* by_row) {
   const int nvec = a.hidden / 8, extra = a.exit_barrier ? 1 : 0;
@@ -73,7 +78,7 @@ inline cudaError_t collapse_plan(const TileArgs& a, void (**row)(TileArgs), bool
   int resident = 0;
   if (*row == nullptr) return cudaErrorInvalidValue;
   if (cudaError_t e = resident_ctas((const void*)*row, kThreads, 0, &resident); e != cudaSuccess) return e;
-  *by_row = a.num_tokens + extra <= resident;
+  *by_row = a.num_tokens + extra <= kRowWaves * resident;
   return cudaSuccess;
 }
 

@@ -12,9 +12,9 @@
 //       computes only fn rows 8p..8p+7 (a = 3 parts): three times the CTAs, each loading a third
 //       of fn, with every sum bitwise unchanged (each row's mma chain is the same).
 // 2. mhc_collapse_kernel / mhc_collapse_row_kernel (pres only; 7 rows per CTA and a warp per row,
-//    or, while the rows' CTAs fit on the GPU at once, a CTA per row): sums each row's S partials
-//    in slice order, computes the coefficients on a coefficient warp (sigmoids, Sinkhorn; one quad
-//    of lanes per row; the collapse starts once the pre weights are out), collapses the stream
+//    or, while the rows' CTAs fit on the GPU in two waves, a CTA per row): sums each row's S
+//    partials in slice order, computes the coefficients on a coefficient warp (sigmoids, Sinkhorn;
+//    one quad of lanes per row; the collapse starts once the pre weights are out), collapses the stream
 //    (+ fused RMSNorm) and writes layer_input; in SP mode it also stores each row straight into
 //    every peer's gather region (NVLink pushes overlapping the pass's HBM work), and
 //    lsa_copy_in_kernel moves the peers' rows into layer_input (protocol in lsa_gather.cuh).
