@@ -726,7 +726,7 @@ __device__ __forceinline__ uint4 norm_vec(const uint4& yb, const uint4& nwb, flo
 
 // Rows [7 b, +7), a warp per row (warps 0..6; warp 7 is the coefficient warp). A pre without a
 // post takes the last rows first (b = blocks - 1 - blockIdx.x): pass 1 read the last tiles last,
-// and their stream is still in L2 (A/B in bench/NOTES.md: mhc_pre T = 2048-16384 -0-6%; for a
+// and their stream is still in L2 (A/B in bench/NOTES.md: mhc_pre T = 2048-16384 0 to -6%; for a
 // post_pre, which reads pass 1's new stream, it was mixed, +7% at T = 16384).
 // Dynamic shared memory: the rows' bf16 collapse between the two halves of the fused RMSNorm
 // (7 * D * 2 bytes), else none. A programmatic dependent launch of pass 1 (pdl.cuh's rule:
