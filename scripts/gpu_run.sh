@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # One device-machine session: build, GPU test suite, benchmarks. Logs and JSON land in $OUT.
 # Usage (on the GPU machine, from the repo root):
-#   bash scripts/gpu_run.sh [all | comma list of test,runner,pp,bench,ab,load,sanitize,wheel,profile,sass,probe] [pytest args...]
-# Parts run in the order test, bench, ab, runner, load, sanitize, wheel, profile, sass, probe, pp
-# ("all": every part but ab, profile, sass and probe). DEADLINE=<seconds> skips a part once less
-# than its budget is left.
+#   bash scripts/gpu_run.sh [all | comma list of test,runner,pp,bench,ab,envab,load,sanitize,wheel,profile,sass,probe] [pytest args...]
+# Parts run in the order test, bench, ab, envab, runner, load, sanitize, wheel, profile, sass, probe,
+# pp ("all": every part but ab, envab, profile, sass and probe). DEADLINE=<seconds> skips a part
+# once less than its budget is left.
 # ab: the same bench (AB_ARGS, default BENCH_ARGS) on this tree and on each tree under .ab/ (made
 # by scripts/ab_trees.sh, carried along), built in place while this tree builds; ab_<name>.json
 # each, compared by scripts/ab_table.py. AB_TESTS="<pytest args>": first run those tests on each
 # .ab tree (its own build and tests) and print their summary line, to place a failure in a stack.
+# envab: the same bench (AB_ARGS) on this tree's one build under each environment of AB_ENVS
+# ("A=1 B=2;A=0": ';' between settings, the first is the base), env_<n>.json each, compared by
+# scripts/ab_table.py: a temporary knob's settings in one call (session 13's chunk and waves sweeps).
 # PROFILE_KERNELS="T:kernel ..." picks the targets of profile's ncu --set full (none: no such report);
 # PROFILE_T="T,..." the sizes of its per-kernel durations (PROFILE_DURATIONS=0 skips them);
 # PROFILE_CACHE=none keeps the caches warm between those kernels (ncu flushes them by default);
@@ -25,7 +28,7 @@ export MAX_JOBS=${MAX_JOBS:-16}
 # (sass) and probe.txt (probe) in place of some of them.
 start=$(date +%s)
 want() {  # what: all (but the on-demand parts), or a comma list
-  [[ ($what == all && $1 != profile && $1 != ab && $1 != sass && $1 != probe) || ,$what, == *,$1,* ]]
+  [[ ($what == all && $1 != profile && $1 != ab && $1 != envab && $1 != sass && $1 != probe) || ,$what, == *,$1,* ]]
 }
 ab_trees=()
 if want ab; then  # build the other trees in place, beside this tree's build
@@ -85,6 +88,24 @@ if want ab && fits 60 ab; then
         "${ab_tests[@]}" 2>&1 | tail -1 | sed "s|^|ab $name tests: |" | tee -a "$OUT/machine.txt")
     fi
     fits 30 "ab $name" && ab_bench "$PWD/$d" "$name" "$(cat "$d/COMMIT")" && results+=("$OUT/ab_$name.json")
+  done
+  (( ${#results[@]} )) && python3 scripts/ab_table.py "${results[@]}" | tee "$OUT/ab_table.txt"
+fi
+if want envab && fits 60 envab; then
+  eval "ab_args=(${AB_ARGS:-${BENCH_ARGS:---quick}})"
+  results=()
+  IFS=';' read -ra settings <<< "${AB_ENVS:?envab needs AB_ENVS}"
+  for n in "${!settings[@]}"; do
+    fits 30 "envab ${settings[$n]}" || break
+    echo "env_$n: ${settings[$n]}" | tee -a "$OUT/machine.txt"
+    # shellcheck disable=SC2086  # the setting's words are the assignments
+    if env ${settings[$n]} timeout $(( $(left) < 300 ? $(left) : 300 )) python3 bench/collectives.py "${ab_args[@]}" \
+        --out "$OUT" --name "env_$n" --commit "${SPK_COMMIT:-this}" > "$OUT/env_$n.log" 2>&1; then
+      results+=("$OUT/env_$n.json")
+    else
+      echo "envab ${settings[$n]}: FAILED: $(tail -5 "$OUT/env_$n.log")"
+    fi
+    rm -f "$OUT/env_$n.png" "$OUT/env_$n.txt" "$OUT/env_$n.log"
   done
   (( ${#results[@]} )) && python3 scripts/ab_table.py "${results[@]}" | tee "$OUT/ab_table.txt"
 fi
