@@ -724,10 +724,16 @@ __device__ __forceinline__ uint4 norm_vec(const uint4& yb, const uint4& nwb, flo
   return float_to_bf16x8(y);
 }
 
-// Rows [7 b, +7), a warp per row (warps 0..6; warp 7 is the coefficient warp). A pre without a
-// post takes the last rows first (b = blocks - 1 - blockIdx.x): pass 1 read the last tiles last,
-// and their stream is still in L2 (A/B in bench/NOTES.md: mhc_pre T = 2048-16384 0 to -6%; for a
-// post_pre, which reads pass 1's new stream, it was mixed, +7% at T = 16384).
+// Pass 2's order: block i of n collapses block i, or for a pre without a post block n - 1 - i (the
+// last rows first: pass 1 read the last tiles last, and their stream is still in L2; A/B in
+// bench/NOTES.md: mhc_pre T = 2048-16384 0 to -6%; for a post_pre, which reads pass 1's new
+// stream, it was mixed, +7% at T = 16384). i >= n (the TP exit-barrier CTA) maps to itself.
+__device__ __forceinline__ int collapse_block(const TileArgs& a, int i, int n) {
+  return a.new_stream == nullptr && i < n ? n - 1 - i : i;
+}
+
+// Rows [7 b, +7) with b = collapse_block(blockIdx.x), a warp per row (warps 0..6; warp 7 is the
+// coefficient warp).
 // Dynamic shared memory: the rows' bf16 collapse between the two halves of the fused RMSNorm
 // (7 * D * 2 bytes), else none. A programmatic dependent launch of pass 1 (pdl.cuh's rule:
 // pdl_wait() comes first).
@@ -739,9 +745,8 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
   if (!collapse_prologue<kGather>(a)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int D = a.hidden, nvec = D >> 3, T = a.num_tokens;
-  const int blocks = (T + kCollapseRows - 1) / kCollapseRows;
-  const int b = a.new_stream == nullptr ? blocks - 1 - (int)blockIdx.x : (int)blockIdx.x;
-  const int row0 = b * kCollapseRows, row = row0 + warp;
+  const int row0 = collapse_block(a, blockIdx.x, (T + kCollapseRows - 1) / kCollapseRows) * kCollapseRows;
+  const int row = row0 + warp;
   const uint4* src =
       reinterpret_cast<const uint4*>((a.new_stream != nullptr ? a.new_stream : a.stream) + (size_t)row * kHC * D);
   // kCollapseBatch vectors of every stream loaded before any store: the compiler cannot move a
@@ -796,7 +801,7 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
   }
 }
 
-// Row blockIdx.x (a pre: T - 1 - blockIdx.x), a CTA per row: thread t < 224 owns vectors t + 224 m
+// Row collapse_block(blockIdx.x), a CTA per row: thread t < 224 owns vectors t + 224 m
 // (m < kV, kV * 224 >= D / 8) and issues every load (the streams, the norm weight) before the
 // coefficients are known, so one memory round trip overlaps the partials' sum; warp 7 is the
 // coefficient warp. The norm's sum goes through shared memory in the warp kernel's order.
@@ -808,15 +813,12 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
   __shared__ float s_coef[kQuadRows][kHC];
   __shared__ float s_sq[kV * kCollapseThreads];  // per-vector sums of squares
   __shared__ float s_rn;
-  const int tid = threadIdx.x, D = a.hidden, nvec = D >> 3, T = a.num_tokens;
+  const int tid = threadIdx.x, D = a.hidden, nvec = D >> 3, row = collapse_block(a, blockIdx.x, a.num_tokens);
   const bool norm = !kHead && a.norm_weight != nullptr;
   // A pre's stream and the norm weight are the op's inputs, complete before pass 1 started and
   // written by no kernel of the op: loaded before pdl_wait() (pdl.cuh's exception), they are in
   // flight while pass 1 still runs. A post_pre's new stream is pass 1's output: after the wait.
   const bool early = a.new_stream == nullptr;
-  // A pre without a post: the last row first, as in the warp kernel. The TP exit-barrier CTA
-  // (blockIdx.x == T) gets no row.
-  const int row = !early || (int)blockIdx.x >= T ? (int)blockIdx.x : T - 1 - (int)blockIdx.x;
   uint4 x[kV][kHC], nw[kV];
   auto load_row = [&](const __nv_bfloat16* stream) {
     const uint4* src = reinterpret_cast<const uint4*>(stream + (size_t)row * kHC * D);
