@@ -10,7 +10,7 @@
 # each, compared by scripts/ab_table.py. AB_TESTS="<pytest args>": first run those tests on each
 # .ab tree (its own build and tests) and print their summary line, to place a failure in a stack.
 # envab: the same bench (AB_ARGS) on this tree's one build under each environment of AB_ENVS
-# ("A=1 B=2;A=0": ';' between settings, the first is the base), env_<n>.json each, compared by
+# ("A=1 B=2;A=0": ';' between settings, the first is the base), ab_env<n>.json each, compared by
 # scripts/ab_table.py: a temporary knob's settings in one call (session 13's chunk and waves sweeps).
 # PROFILE_KERNELS="T:kernel ..." picks the targets of profile's ncu --set full (none: no such report);
 # PROFILE_T="T,..." the sizes of its per-kernel durations (PROFILE_DURATIONS=0 skips them);
@@ -65,19 +65,19 @@ if want bench && fits 90 bench; then
   eval "bench_args=(${BENCH_ARGS:---quick})"  # shell words: quotes as typed (--ref-D '')
   timeout $(( $(left) < ${BENCH_TIMEOUT:-420} ? $(left) : ${BENCH_TIMEOUT:-420} )) python3 bench/collectives.py "${bench_args[@]}" --out "$OUT" 2>&1 | tail -60
 fi
+eval "ab_args=(${AB_ARGS:-${BENCH_ARGS:---quick}})"  # shell words: quotes as typed (--compile-D '')
+ab_bench() {  # tree name commit [VAR=value ...]: that tree's bench on its build (checked), with those
+  local ok=0  # environment variables -> ab_<name>.json
+  (cd "$1" && export PYTHONPATH=$PWD/python &&
+    python3 -c "import spkernels, sys; sys.exit(not spkernels.__file__.startswith('$PWD/'))" &&
+    env "${@:4}" timeout $(( $(left) < 300 ? $(left) : 300 )) python3 bench/collectives.py "${ab_args[@]}" --out "$OUT" \
+      --name "ab_$2" --commit "$3") > "$OUT/ab_$2.log" 2>&1 || { ok=1; echo "ab $2: FAILED: $(tail -5 "$OUT/ab_$2.log")"; }
+  rm -f "$OUT/ab_$2.png" "$OUT/ab_$2.txt" "$OUT/ab_$2.log"
+  return $ok
+}
 if want ab && fits 60 ab; then
   wait  # the trees' builds
-  eval "ab_args=(${AB_ARGS:-${BENCH_ARGS:---quick}})"  # shell words: quotes as typed (--compile-D '')
   eval "ab_tests=(${AB_TESTS:-})"
-  ab_bench() {  # tree name commit: that tree's bench on that tree's build (checked) -> ab_<name>.json
-    local ok=0
-    (cd "$1" && export PYTHONPATH=$PWD/python &&
-      python3 -c "import spkernels, sys; sys.exit(not spkernels.__file__.startswith('$PWD/'))" &&
-      timeout $(( $(left) < 300 ? $(left) : 300 )) python3 bench/collectives.py "${ab_args[@]}" --out "$OUT" \
-        --name "ab_$2" --commit "$3") > "$OUT/ab_$2.log" 2>&1 || { ok=1; echo "ab $2: FAILED: $(tail -5 "$OUT/ab_$2.log")"; }
-    rm -f "$OUT/ab_$2.png" "$OUT/ab_$2.txt" "$OUT/ab_$2.log"
-    return $ok
-  }
   results=()
   ab_bench "$PWD" this "${SPK_COMMIT:-this}" && results+=("$OUT/ab_this.json")
   for d in "${ab_trees[@]}"; do
@@ -92,20 +92,13 @@ if want ab && fits 60 ab; then
   (( ${#results[@]} )) && python3 scripts/ab_table.py "${results[@]}" | tee "$OUT/ab_table.txt"
 fi
 if want envab && fits 60 envab; then
-  eval "ab_args=(${AB_ARGS:-${BENCH_ARGS:---quick}})"
   results=()
   IFS=';' read -ra settings <<< "${AB_ENVS:?envab needs AB_ENVS}"
   for n in "${!settings[@]}"; do
     fits 30 "envab ${settings[$n]}" || break
-    echo "env_$n: ${settings[$n]}" | tee -a "$OUT/machine.txt"
+    echo "ab_env$n: ${settings[$n]}" | tee -a "$OUT/machine.txt"
     # shellcheck disable=SC2086  # the setting's words are the assignments
-    if env ${settings[$n]} timeout $(( $(left) < 300 ? $(left) : 300 )) python3 bench/collectives.py "${ab_args[@]}" \
-        --out "$OUT" --name "env_$n" --commit "${SPK_COMMIT:-this}" > "$OUT/env_$n.log" 2>&1; then
-      results+=("$OUT/env_$n.json")
-    else
-      echo "envab ${settings[$n]}: FAILED: $(tail -5 "$OUT/env_$n.log")"
-    fi
-    rm -f "$OUT/env_$n.png" "$OUT/env_$n.txt" "$OUT/env_$n.log"
+    ab_bench "$PWD" "env$n" "${SPK_COMMIT:-this}" ${settings[$n]} && results+=("$OUT/ab_env$n.json")
   done
   (( ${#results[@]} )) && python3 scripts/ab_table.py "${results[@]}" | tee "$OUT/ab_table.txt"
 fi
