@@ -13,6 +13,11 @@
 //   slice2k     a slice as 2 KB of one stream (contiguous), 8 loads per thread in flight.
 //   rows        pass 2 (warp per row): a warp reads a token's 32 KB row, 16 loads per lane in flight.
 //   sweep       grid-stride over the whole stream, 8 loads per thread in flight (the read ceiling).
+//   ring_bulk   the one-pass kernel's stage ring (branch `onepass`): 1 CTA per SM, slice as in pass 1,
+//               a 3-stage shared-memory ring filled by 64 bulk copies of 512 bytes per tile (one warp
+//               issues), the CTA folds a tile from shared memory, then refills its stage.
+//   ring_cp16   the same ring filled by 16-byte cp.async (8 per thread and tile), each thread's
+//               completion an mbarrier arrival (cp.async.mbarrier.arrive.noinc).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -139,6 +144,88 @@ __global__ void __launch_bounds__(kThreads, 2) sweep_kernel(Shape p) {
   p.out[blockIdx.x * kThreads + threadIdx.x] = acc;
 }
 
+__device__ __forceinline__ uint32_t saddr(const void* q) { return static_cast<uint32_t>(__cvta_generic_to_shared(q)); }
+
+// kMode 0: ring_bulk, 1: ring_cp16 (see the top). One CTA per SM, 3 stages of one 16-token slice tile.
+template <int kMode>
+__global__ void __launch_bounds__(kThreads, 1) ring_kernel(Shape p) {
+  extern __shared__ __align__(128) uint4 st[];  // [3][16 tokens][4 streams][32 vectors]
+  __shared__ __align__(8) uint64_t full[3];
+  const int s = blockIdx.x % p.S, grp = blockIdx.x / p.S, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int tiles = p.T / 16, mine = grp < tiles ? (tiles - grp + p.G - 1) / p.G : 0;
+  const size_t srow = 4 * (size_t)p.nvec;
+  if (tid == 0) {
+    for (int i = 0; i < 3; ++i)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(saddr(&full[i])), "r"(kMode == 0 ? 1 : kThreads));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  auto issue = [&](int k) {
+    const int row0 = (grp + k * p.G) * 16;
+    uint4* const stage = st + (k % 3) * 2048;
+    const uint32_t bar = saddr(&full[k % 3]);
+    if (kMode == 0) {
+      if (warp != 0) return;
+      if (lane == 0)
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(32768) : "memory");
+      __syncwarp();
+      for (int c = lane; c < 64; c += 32)
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 512, [%2];" ::"r"(
+                         saddr(stage + c * 32)),
+                     "l"(p.x + (row0 + c / 4) * srow + (c % 4) * p.nvec + s * 32), "r"(bar)
+                     : "memory");
+    } else {
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        const int c = tid + r * kThreads;  // 16-byte piece: (token, stream) row c / 32, vector c % 32
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr(stage + c)),
+                     "l"(p.x + (row0 + c / 128) * srow + (c / 32 % 4) * p.nvec + s * 32 + c % 32)
+                     : "memory");
+      }
+      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+    }
+  };
+  for (int k = 0; k < 3 && k < mine; ++k) issue(k);
+  uint32_t acc = 0;
+#pragma unroll 1
+  for (int k = 0; k < mine; ++k) {
+    uint32_t done = 0;
+    while (!done)
+      asm volatile(
+          "{\n .reg .pred q;\n mbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\n selp.u32 %0, 1, 0, q;\n}"
+          : "=r"(done)
+          : "r"(saddr(&full[k % 3])), "r"((k / 3) & 1)
+          : "memory");
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc += fold(st[(k % 3) * 2048 + tid + j * kThreads]);
+    __syncthreads();  // the stage is read: refill it
+    if (k + 3 < mine) issue(k + 3);
+  }
+  p.out[blockIdx.x * kThreads + threadIdx.x] = acc;
+}
+
+template <typename K>
+float time_us_smem(K kernel, int grid, const Shape& p, int reps, size_t smem) {
+  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) kernel<<<grid, kThreads, smem>>>(p);
+  CHECK(cudaGetLastError());
+  std::vector<float> ts;
+  for (int i = 0; i < reps; ++i) {
+    CHECK(cudaEventRecord(a));
+    kernel<<<grid, kThreads, smem>>>(p);
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    float ms = 0.f;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    ts.push_back(ms * 1e3f);
+  }
+  std::sort(ts.begin(), ts.end());
+  return ts[ts.size() / 2];
+}
+
 template <typename K>
 float time_us(K kernel, int grid, const Shape& p, int reps) {
   cudaEvent_t a, b;
@@ -189,6 +276,12 @@ int main() {
       row("slice2k", time_us(slice2k_kernel, q.S * q.G, q, 20));
       row("rows", time_us(rows_kernel, ctas, p, 20));
       row("sweep", time_us(sweep_kernel, ctas, p, 20));
+      if (D == 4096) {  // the one-pass kernel's D: 16 slices of 512 bytes per stream
+        Shape r = p;
+        r.G = sms / r.S;  // one CTA per SM
+        row("ring_bulk", time_us_smem(ring_kernel<0>, r.S * r.G, r, 20, 3 * 32768));
+        row("ring_cp16", time_us_smem(ring_kernel<1>, r.S * r.G, r, 20, 3 * 32768));
+      }
       void* y = nullptr;  // the copy bandwidth the bench measures: read + write
       CHECK(cudaMalloc(&y, bytes));
       cudaEvent_t a, b;
