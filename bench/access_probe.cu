@@ -205,8 +205,8 @@ __global__ void __launch_bounds__(kThreads, 1) ring_kernel(Shape p) {
 }
 
 template <typename K>
-float time_us_smem(K kernel, int grid, const Shape& p, int reps, size_t smem) {
-  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+float time_us(K kernel, int grid, const Shape& p, int reps, size_t smem = 0) {
+  if (smem > 0) CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));
@@ -216,27 +216,6 @@ float time_us_smem(K kernel, int grid, const Shape& p, int reps, size_t smem) {
   for (int i = 0; i < reps; ++i) {
     CHECK(cudaEventRecord(a));
     kernel<<<grid, kThreads, smem>>>(p);
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
-    float ms = 0.f;
-    CHECK(cudaEventElapsedTime(&ms, a, b));
-    ts.push_back(ms * 1e3f);
-  }
-  std::sort(ts.begin(), ts.end());
-  return ts[ts.size() / 2];
-}
-
-template <typename K>
-float time_us(K kernel, int grid, const Shape& p, int reps) {
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) kernel<<<grid, kThreads>>>(p);
-  CHECK(cudaGetLastError());
-  std::vector<float> ts;
-  for (int i = 0; i < reps; ++i) {
-    CHECK(cudaEventRecord(a));
-    kernel<<<grid, kThreads>>>(p);
     CHECK(cudaEventRecord(b));
     CHECK(cudaEventSynchronize(b));
     float ms = 0.f;
@@ -279,8 +258,8 @@ int main() {
       if (D == 4096) {  // the one-pass kernel's D: 16 slices of 512 bytes per stream
         Shape r = p;
         r.G = sms / r.S;  // one CTA per SM
-        row("ring_bulk", time_us_smem(ring_kernel<0>, r.S * r.G, r, 20, 3 * 32768));
-        row("ring_cp16", time_us_smem(ring_kernel<1>, r.S * r.G, r, 20, 3 * 32768));
+        row("ring_bulk", time_us(ring_kernel<0>, r.S * r.G, r, 20, 3 * 32768));
+        row("ring_cp16", time_us(ring_kernel<1>, r.S * r.G, r, 20, 3 * 32768));
       }
       void* y = nullptr;  // the copy bandwidth the bench measures: read + write
       CHECK(cudaMalloc(&y, bytes));
