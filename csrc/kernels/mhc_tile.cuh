@@ -367,33 +367,26 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
           mma_bf16_16816(c[h], q1.x, q1.y, q1.z, q1.w, x[h][i].z, x[h][i].w);
         }
       };
-      auto zeros = [&] {  // a warp past the slice's columns adds zeros
+      static_assert(kFn != FnSrc::kParts || kNT > 1, "parts split the fn rows");
+      if (warp >= gmax) {  // warp-uniform: a warp past the slice's columns adds zeros
         const float zero[2][4] = {};
 #pragma unroll
         for (int p = 0; p < np; ++p) fold(zero, p);
-      };
-      if constexpr (kFn == FnSrc::kParts) {  // decode: this CTA's 8 fn rows (m-tile `part`)
-        static_assert(kNT > 1, "parts split the fn rows");
-        if (warp >= gmax) {  // warp-uniform
-          zeros();
-        } else {
-          uint4 q[kHC][2];  // every fragment in flight at once
+      } else if constexpr (kFn == FnSrc::kParts) {  // decode: this CTA's 8 fn rows (m-tile `part`)
+        uint4 q[kHC][2];                            // every fragment in flight at once
 #pragma unroll
-          for (int i = 0; i < kHC; ++i)
+        for (int i = 0; i < kHC; ++i)
 #pragma unroll
-            for (int s = 0; s < 2; ++s) q[i][s] = fn_fragment<kHead>(a, i, part * 8 + g, vec, s, v0, W);
-          float acc[2][4] = {}, sqa[2][4] = {}, sqb[2][4] = {};
+          for (int s = 0; s < 2; ++s) q[i][s] = fn_fragment<kHead>(a, i, part * 8 + g, vec, s, v0, W);
+        float acc[2][4] = {}, sqa[2][4] = {}, sqb[2][4] = {};
 #pragma unroll
-          for (int i = 0; i < kHC; ++i) products(acc, q[i][0], q[i][1], i);  // the same mma order as below
-          fold(acc, 0);
+        for (int i = 0; i < kHC; ++i) products(acc, q[i][0], q[i][1], i);  // the same mma order as below
+        fold(acc, 0);
 #pragma unroll
-          for (int i = 0; i < kHC; ++i)
+        for (int i = 0; i < kHC; ++i)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) squares(sqa[h], sqb[h], x[h][i]);
-          diagonal(sqa, sqb);
-        }
-      } else if (warp >= gmax) {  // warp-uniform
-        zeros();
+          for (int h = 0; h < 2; ++h) squares(sqa[h], sqb[h], x[h][i]);
+        diagonal(sqa, sqb);
       } else {
         float acc[kNT][2][4] = {}, sqa[2][4] = {}, sqb[2][4] = {};
 #pragma unroll
