@@ -754,7 +754,13 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
       for (int i = 0; i < kHC; ++i)
         if (v0 + 32 * u < nvec) xv[u][i] = src[(size_t)i * nvec + v0 + 32 * u];
   };
-  if (warp < kCollapseRows && row < T) load_batch(lane);
+  if (warp < kCollapseRows && row < T) {
+    load_batch(lane);
+    // The rest of the row into L2 meanwhile (lane i: stream i), so that the later batches, each
+    // loaded only once the previous one is collapsed, wait on L2 rather than HBM.
+    if (constexpr int kFirst = 32 * kCollapseBatch; lane < kHC && nvec > kFirst)
+      prefetch_l2(src + (size_t)lane * nvec + kFirst, (uint32_t)(nvec - kFirst) * sizeof(uint4));
+  }
   if (!collapse_coefficients<kHead>(a, row0, kCollapseRows, s_m, s_coef) || row >= T)
     return;  // no CTA-wide synchronisation below
   float w[kHC];
