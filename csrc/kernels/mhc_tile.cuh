@@ -746,11 +746,12 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
   // load above a store that may alias it, so a plain loop waits out one memory round trip per
   // 32 vectors (at T = 8 under ncu: the head's pass 2 14.0 -> 7.6 us with the batch). The first
   // batch is loaded before the coefficients, which do not need it: the two latencies overlap.
-  // With each batch of a pre, the next one's vectors go to L2 (lane i: stream i): a batch is loaded
-  // only once the previous one is collapsed, so it then waits on L2, not HBM (mhc_post_pre -1-4%,
-  // mhc_pre 0-2%; the head's pass 2 was 2-3% slower with it). One batch ahead, not the
-  // whole row: ~14 rows per SM in flight would prefetch more than L2 holds (and evict the last
-  // tiles of pass 1 that the reversed row order reads from L2).
+  // With each batch of a local pre (not the head, not SP's gather), the next batch's vectors go
+  // to L2 (lane i: stream i): a batch is loaded only once the previous one is collapsed, so it
+  // then waits on L2, not HBM. Same-run A/B (ab_p2pf_2026-11-30.txt): mhc_post_pre -1-4%,
+  // mhc_pre 0-2%; the head's pass 2 2-3% slower and the SP ops 1-3% slower at D = 7168 with it.
+  // One batch ahead, not the whole row: ~14 rows per SM in flight would prefetch more than L2
+  // holds (and evict the last tiles of pass 1 that the reversed row order reads from L2).
   constexpr int kBatchVecs = 32 * kCollapseBatch;
   uint4 xv[kCollapseBatch][kHC];
   auto load_batch = [&](int v0) {
@@ -759,7 +760,7 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
 #pragma unroll
       for (int i = 0; i < kHC; ++i)
         if (v0 + 32 * u < nvec) xv[u][i] = src[(size_t)i * nvec + v0 + 32 * u];
-    if (const int next = v0 - lane + kBatchVecs; !kHead && lane < kHC && next < nvec)
+    if (const int next = v0 - lane + kBatchVecs; !kHead && !kGather && lane < kHC && next < nvec)
       prefetch_l2(src + (size_t)lane * nvec + next, (uint32_t)min(kBatchVecs, nvec - next) * sizeof(uint4));
   };
   if (warp < kCollapseRows && row < T) load_batch(lane);
