@@ -771,7 +771,7 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
   const RowOut<kGather> dst(a, row);
   const bool norm = !kHead && a.norm_weight != nullptr;
   float ss = 0.f;
-  for (int v0 = lane; v0 < nvec; v0 += 32 * kCollapseBatch) {
+  for (int v0 = lane; v0 < nvec; v0 += kBatchVecs) {
     if (v0 != lane) load_batch(v0);
 #pragma unroll
     for (int u = 0; u < kCollapseBatch; ++u) {
@@ -789,7 +789,7 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
   }
   if (!norm) return;
   const float rn = norm_rn(ss, D, a.eps.norm_eps);
-  for (int v0 = lane; v0 < nvec; v0 += 32 * kCollapseBatch) {
+  for (int v0 = lane; v0 < nvec; v0 += kBatchVecs) {
     uint4 nwv[kCollapseBatch];  // the same: every load of the batch before its stores
 #pragma unroll
     for (int u = 0; u < kCollapseBatch; ++u)
