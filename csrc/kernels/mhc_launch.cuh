@@ -117,8 +117,7 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
     if (T <= kPostRowRows) {
       if (debug_enabled()) std::fprintf(stderr, "spkernels: post row kernel T=%d D=%d\n", T, D);
       const dim3 grid((D / 8 + kPostRowThreads - 1) / kPostRowThreads, T);
-      mhc_post_row_kernel<<<grid, kPostRowThreads, 0, stream>>>(a);
-      return cudaGetLastError();
+      return launch_dependent(mhc_post_row_kernel, grid, kPostRowThreads, 0, stream, a);
     }
   }
   cudaError_t e;

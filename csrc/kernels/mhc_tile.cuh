@@ -501,11 +501,14 @@ __global__ void __launch_bounds__(kThreads, 2) mhc_rows_kernel(const __grid_cons
 // shared memory, no barrier. The tile kernel runs a 16-token tile there (at T = 1, 4 of a warp's
 // 32 lanes work) and stages the mixes behind a CTA barrier. Grid (vector blocks, T); blocks of 64
 // threads spread a decode token over more SMs (T = 1, D = 4096: 8 CTAs; 5-8% faster than 128 at
-// T <= 8, the same from T = 16 on: bench/results/ab_postvec_2026-11-30.txt).
+// T <= 8, the same from T = 16 on: bench/results/ab_postvec_2026-11-30.txt). Launched as a
+// programmatic dependent of whatever kernel precedes it (pdl.cuh), so its launch overlaps that
+// kernel's teardown: T = 1 1.4 -> 1.0 us (bench/results/ab_postpdl_2026-11-30.txt).
 constexpr int kPostRowRows = 128;
 constexpr int kPostRowThreads = 64;
 
 static __global__ void __launch_bounds__(kPostRowThreads) mhc_post_row_kernel(const __grid_constant__ TileArgs a) {
+  pdl_wait();  // the previous kernel (any: a GEMM, another op) may have written y, the stream, the mixes
   const int row = blockIdx.y, v = blockIdx.x * kPostRowThreads + threadIdx.x;
   if (v >= a.hidden >> 3) return;
   const size_t D = a.hidden, col = (size_t)v * 8;
