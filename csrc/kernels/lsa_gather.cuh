@@ -92,7 +92,7 @@ static __global__ void __launch_bounds__(kGatherThreads, 2)
 }
 
 // ---- Protocol of the pushed all-gather. Kernels of one SP op on every rank r, in stream order:
-//   P1  pass 1, plain launch. mhc_post_pre_rs_ag: every CTA b syncs barrier b (kEntry) before
+//   P1  pass 1, PDL (waits first). mhc_post_pre_rs_ag: every CTA b syncs barrier b (kEntry) before
 //       it pulls the peers' partial rows. mhc_pre_ag: CTA 0 syncs barrier 0 (kGatherPush).
 //   P2  pass 2, PDL. Stores each finished layer_input row into r's output and, with plain remote
 //       stores, into every peer's gather region at the row's global position r * T_local + row.
@@ -121,7 +121,7 @@ static __global__ void __launch_bounds__(kGatherThreads, 2)
 // (B) WAR, q's P2 of op k -> r's gather region, which r's C of op k-1 reads (and earlier readers).
 //     q's P2 pushes only after its pdl_wait(), i.e. after q's P1 of op k completed, and that P1
 //     has a CTA that passed a barrier (kEntry or kGatherPush), so (F1) r's P1 of op k had arrived,
-//     so (F2, plain launch) r's C of op k-1 and everything before it on r's stream had completed. The other readers of
+//     so (F2) r's C of op k-1 and everything before it on r's stream had completed. The other readers of
 //     r's gather region are peers pulling r's staged block in sp_all_gather; r's lsa_all_gather_kernel passes a
 //     kGatherExit barrier only after every peer finished pulling, and it completes before r's P1 of op k starts.
 //     mhc_pre_ag needs its kGatherPush barrier for this alone: its pass 1 reads no peer memory. (Conversely, r's own

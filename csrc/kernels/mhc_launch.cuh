@@ -105,8 +105,8 @@ inline cudaError_t launch_collapse(const TileArgs& a, cudaStream_t stream) {
 // num_tokens * row_slices(hidden) * FnRows<kHead>::kVals floats for a pre. max_ctas <= 0: the
 // device's own limit (local ops); the fused ops pass the cap every rank agreed on.
 //
-// Launches: pass 1 plain (stream-ordered; its barriers need that), pass 2 and the copy-in kernel
-// as programmatic dependents of the kernel before them (pdl.cuh). Barriers: pass 1 uses indices
+// Launches: every kernel (pass 1, pass 2, the copy-in kernel; mhc_post's row kernel) as a
+// programmatic dependent of the kernel before it (pdl.cuh). Barriers: pass 1 uses indices
 // [0, slices * groups * parts) <= max_ctas, pass 2 index 0 (its last CTA), the copy-in kernel
 // [0, grid) <= max_ctas.
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kGather>
@@ -144,8 +144,8 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   if (debug_enabled())
     std::fprintf(stderr, "spkernels: rows kernel T=%d D=%d slices=%d groups=%d parts=%d smem=%zu%s\n", T, D, a.slices,
                  a.groups, a.parts, smem, staged ? " (fn staged)" : "");
-  rows<<<a.slices * a.groups * a.parts, kThreads, smem, stream>>>(a);
-  if ((e = cudaGetLastError()) != cudaSuccess || !kPre) return e;
+  if ((e = launch_dependent(rows, a.slices * a.groups * a.parts, kThreads, smem, stream, a)) != cudaSuccess || !kPre)
+    return e;
   if ((e = launch_collapse<kHead, kGather>(a, stream)) != cudaSuccess || !kGather) return e;
   const size_t bytes = (size_t)T * D * 2;  // one rank's block: T_local rows
   return launch_dependent(lsa_copy_in_kernel, lsa_all_gather_grid(bytes, max_ctas), kGatherThreads, 0, stream,

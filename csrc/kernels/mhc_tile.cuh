@@ -460,7 +460,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
   }
 }
 
-// Pass 1, a plain (stream-ordered) launch: its barriers rely on that (F2 in lsa_gather.cuh). Posts
+// Pass 1, a programmatic dependent of whatever kernel precedes the op (pdl.cuh): every thread
+// waits first, before its barriers (F2 in lsa_gather.cuh) and before it lets pass 2 launch. Posts
 // without a pre synchronise with the peers at entry (partials written) and exit (nobody reads this
 // rank's partial any more); with a pre the exit is pass 2's or the copy-in's. In SP mode without a
 // post (mhc_pre_ag), CTA 0 syncs once so that pass 2 may push into the peers' gather regions
@@ -470,8 +471,11 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead, FnSrc kFn>
 __global__ void __launch_bounds__(kThreads, 2) mhc_rows_kernel(const __grid_constant__ TileArgs a) {
   static_assert(kPre || kFn == FnSrc::kGlobal, "only a pre has fn");
+  pdl_wait();
   // With a pre, the next kernel is our pass 2, which waits for this grid's completion before it
-  // touches memory (pdl.cuh): letting it launch now only hides its launch latency.
+  // touches memory (pdl.cuh): letting it launch now only hides its launch latency. After the wait:
+  // pass 2 loads the op's own inputs before its own wait, so every kernel before the op must have
+  // completed by the time it launches.
   if constexpr (kPre) pdl_launch_dependents();
   if constexpr (kFn == FnSrc::kShared) {
     const int S = a.slices, slice = blockIdx.x / a.parts % S, nvec = a.hidden >> 3;

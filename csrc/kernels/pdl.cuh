@@ -10,16 +10,16 @@
 //   LsaBarrier is constructed or synced.
 //
 // One exception: loads of the op's own inputs that no kernel of the op writes (a pre's stream
-// and norm weight in pass 2). The first kernel of a multi-kernel op is a plain launch, so when a
-// dependent of it runs, every kernel before the op has completed and its writes are visible; and
-// nothing of the op changes those bytes. Such loads only start earlier; the thread still waits
-// before anything else.
+// and norm weight in pass 2). An op's first kernel lets its dependent launch only after its own
+// wait, so when a dependent of it runs, every kernel before the op has completed and its writes
+// are visible; and nothing of the op changes those bytes. Such loads only start earlier; the
+// thread still waits before anything else.
 //
-// One op's only kernel is itself a dependent of whatever kernel precedes it on the stream, ours or
-// the caller's: mhc_post's decode row kernel. It obeys the rule with no exception, so it sees what
-// a plain launch would, and it never calls pdl_launch_dependents(). A kernel that does not call
-// it triggers when all of its CTAs have exited, so the row kernel's launch overlaps the previous
-// kernel's teardown (its completion and memory flush): ~0.4 of its 1.4 us at T = 1.
+// An op's first kernel (pass 1, or mhc_post's decode row kernel) is itself a dependent of
+// whatever kernel precedes it on the stream, ours or the caller's. A kernel that never calls
+// pdl_launch_dependents() (the caller's, or an op's last kernel) triggers when all of its CTAs
+// have exited, so the next op's launch overlaps that kernel's teardown (its completion and memory
+// flush): mhc_post at T = 1 1.4 -> 1.0 us.
 //
 // pdl_wait() (griddepcontrol.wait) returns once the previous grid has completed and all its
 // memory operations are performed and visible to this grid (PTX ISA), so everything after it sees
@@ -42,9 +42,10 @@
 //
 // CUDA graphs: a launch with cudaLaunchAttributeProgrammaticStreamSerialization under stream
 // capture becomes a programmatic edge (cudaGraphDependencyTypeProgrammatic) between the two kernel
-// nodes (graph edge data, CUDA 12.3+; we build with 13.0), with the same semantics on replay. Both
-// kernels of each of our own edges are always captured together, back to back on one stream.
-// Where the previous stream operation is not a kernel, the launch is simply stream-ordered.
+// nodes (graph edge data, CUDA 12.3+; we build with 13.0), with the same semantics on replay. The
+// kernels of one op are always captured together, back to back on one stream. Where the previous
+// stream operation is not a kernel (or there is none in the graph), the launch is simply
+// stream-ordered.
 #include <cuda_runtime.h>
 
 #include <utility>
