@@ -134,28 +134,30 @@ __device__ __forceinline__ uint4 fn_fragment(const TileArgs& a, int i, int n, in
 
 // The slice's fragments in shared memory for CTAs that reuse them over several tiles. Entry
 // (((i * gmax + grp) * 2 + s) * kRows + n) * 4 + t. Staged before the entry barrier, so that its
-// latency hides behind the peers' arrival. Every load of the thread's entries (gmax * kRows / 8
-// <= 24 float4) is issued before the first split: nothing else is live yet, and a loop of 8 in
-// flight waited out three round trips.
+// latency hides behind the peers' arrival. Thread (i, grp, s, t) (256 = 4 streams x 8 groups x 2
+// halves x 4 vectors; gmax <= 8) stages fn rows 0..kRows-1 of its 4 floats: one base pointer per
+// thread and a stride of one fn row, every load in flight before the first split (nothing else
+// is live yet). Its first form walked the entries in index order, which cost ~1860 instructions
+// per warp of index arithmetic for 24 loads (ncu at T = 1024: a third of pass 1's samples).
+// Not inlined: inlined, it moved the peers-source kernel's tile loop to 8 bytes of spills.
 template <bool kHead>
-__device__ __forceinline__ void stage_fn_slice(const TileArgs& a, int v0, int W, int gmax) {
-  constexpr int kRows = FnRows<kHead>::kRows;
-  constexpr int kMaxPer = 8 * 2 * kRows * 4 * kHC / kThreads;  // entries per thread at gmax = 8
+__device__ __noinline__ void stage_fn_slice(const TileArgs& a, int v0, int W, int gmax) {
+  constexpr int kRows = FnRows<kHead>::kRows, kValid = FnRows<kHead>::kValid;
+  static_assert(kThreads == kHC * 8 * 2 * 4, "a thread per (stream, group, half, vector)");
   extern __shared__ __align__(16) uint4 s_fn[];
-  const int entries = kHC * gmax * 2 * kRows * 4;
-  float4 f[kMaxPer];
+  const int t = threadIdx.x & 3, s = (threadIdx.x >> 2) & 1, grp = (threadIdx.x >> 3) & 7, i = threadIdx.x >> 6;
+  if (grp < gmax) {
+    const int vec = grp * 4 + t;
+    const size_t row = (size_t)kHC * a.hidden;  // one fn row
+    const float* src = a.fn + (size_t)i * a.hidden + (size_t)(v0 + vec) * 8 + 4 * s;
+    uint4* dst = s_fn + (((i * gmax + grp) * 2 + s) * kRows) * 4 + t;
+    float4 f[kRows];
 #pragma unroll
-  for (int k = 0; k < kMaxPer; ++k) {
-    const int e = threadIdx.x + k * kThreads;
-    const int t = e & 3, n = (e >> 2) % kRows, rest = (e >> 2) / kRows;
-    const int s = rest & 1, grp = (rest >> 1) % gmax, i = (rest >> 1) / gmax, vec = grp * 4 + t;
-    f[k] = e < entries ? fn_load<kHead>(a, i, n, vec, s, v0, W) : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
+    for (int n = 0; n < kRows; ++n)
+      f[n] = n < kValid && vec < W ? __ldg(reinterpret_cast<const float4*>(src + n * row))
+                                   : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-  for (int k = 0; k < kMaxPer; ++k) {
-    const int e = threadIdx.x + k * kThreads;
-    if (e >= entries) break;
-    s_fn[e] = fn_split(f[k]);
+    for (int n = 0; n < kRows; ++n) dst[n * 4] = fn_split(f[n]);
   }
   __syncthreads();
 }
