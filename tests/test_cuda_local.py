@@ -160,21 +160,29 @@ def test_cuda_graph_replay_matches_eager(mhc):
             assert torch.equal(g, e), "graph replay differs from eager"
 
 
-def test_chained_decode_posts_in_a_graph(mhc):
-    """The decode row kernel of mhc_post waits on whatever kernel precedes it (a programmatic
-    dependent launch): a chain of posts, each reading the stream the one before it wrote, right
-    after the copies that bring in the inputs, replays bitwise equal to eager."""
-    T, D = 5, 4096
-    static = [mhc.y(T, D).cuda(), mhc.stream(T, D).cuda(), *(t.cuda() for t in mhc.mixes(T))]
+@pytest.mark.parametrize("T", [5, 600])
+def test_chained_ops_in_a_graph(mhc, T):
+    """Every op's first kernel waits on whatever kernel precedes it (a programmatic dependent
+    launch): a chain of ops, each reading what the one before it wrote, right after the copies
+    that bring in the inputs, replays bitwise equal to eager. T = 5: the decode kernels (the post
+    row kernel, pass 1 split over the fn rows, a CTA per row); T = 600: fn staged, a warp per row."""
+    D = 4096
+    stream, site, _ = inputs(mhc, T, D)
+    head = to_cuda(mhc.head(D))
+    pre_args = (site["fn"], site["scale"], site["base"], site["norm_weight"], None)
+    static = [mhc.y(T, D).cuda(), stream, *(t.cuda() for t in mhc.mixes(T))]
     work = [torch.empty_like(t) for t in static]
 
     def run():
         for dst, src in zip(work, static, strict=True):
             dst.copy_(src)
         y, x, post_mix, res_mix = work
-        for _ in range(6):
-            x = ops.mhc_post(y, x, post_mix, res_mix)
-        return x
+        x = ops.mhc_post(y, x, post_mix, res_mix)
+        x = ops.mhc_post(y, x, post_mix, res_mix)
+        y, post_mix, res_mix, _ = ops.mhc_pre(x, *pre_args)
+        x, y, post_mix, res_mix, _ = ops.mhc_post_pre(y, x, post_mix, res_mix, *pre_args)
+        x = ops.mhc_post(y, x, post_mix, res_mix)
+        return x, ops.mhc_head(x, head["fn"], head["scale"], head["base"])
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -189,7 +197,8 @@ def test_chained_decode_posts_in_a_graph(mhc):
         for dst, src in zip(static, fresh, strict=True):
             dst.copy_(src)
         graph.replay()
-        assert torch.equal(out, run()), "graph replay of chained posts differs from eager"
+        for g, e in zip(out, run(), strict=True):
+            assert torch.equal(g, e), "graph replay of chained ops differs from eager"
 
 
 def test_deterministic_across_calls(mhc):
