@@ -133,15 +133,9 @@ def test_mhc_head(mhc, T, D):
     mhc.assert_bf16_close(got, want, "head", slack=slack)
 
 
-def test_cuda_graph_replay_matches_eager(mhc):
-    T, D = 24, 4096
-    stream, site, _ = inputs(mhc, T, D)
-    y = mhc.y(T, D).cuda()
-    post_mix, res_mix = (t.cuda() for t in mhc.mixes(T))
-    static = [y, stream, post_mix, res_mix]
-    run = lambda: ops.mhc_post_pre(
-        *static, site["fn"], site["scale"], site["base"], site["norm_weight"], None
-    )
+def assert_replays_match_eager(mhc, T, D, static, run, what):
+    """Capture run() in a CUDA graph, then replay it three times on fresh inputs copied into
+    `static` (y, stream, post_mix, res_mix): every output bitwise equal to eager."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -155,9 +149,18 @@ def test_cuda_graph_replay_matches_eager(mhc):
         for dst, src in zip(static, fresh, strict=True):
             dst.copy_(src)
         graph.replay()
-        eager = run()
-        for g, e in zip(out, eager, strict=True):
-            assert torch.equal(g, e), "graph replay differs from eager"
+        for g, e in zip(out, run(), strict=True):
+            assert torch.equal(g, e), f"{what}: graph replay differs from eager"
+
+
+def test_cuda_graph_replay_matches_eager(mhc):
+    T, D = 24, 4096
+    stream, site, _ = inputs(mhc, T, D)
+    static = [mhc.y(T, D).cuda(), stream, *(t.cuda() for t in mhc.mixes(T))]
+    pre_args = (site["fn"], site["scale"], site["base"], site["norm_weight"], None)
+    assert_replays_match_eager(
+        mhc, T, D, static, lambda: ops.mhc_post_pre(*static, *pre_args), "mhc_post_pre"
+    )
 
 
 @pytest.mark.parametrize("T", [5, 600])
@@ -184,21 +187,7 @@ def test_chained_ops_in_a_graph(mhc, T):
         x = ops.mhc_post(y, x, post_mix, res_mix)
         return x, ops.mhc_head(x, head["fn"], head["scale"], head["base"])
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
-    for _ in range(3):
-        fresh = [mhc.y(T, D), mhc.stream(T, D), *mhc.mixes(T)]
-        for dst, src in zip(static, fresh, strict=True):
-            dst.copy_(src)
-        graph.replay()
-        for g, e in zip(out, run(), strict=True):
-            assert torch.equal(g, e), "graph replay of chained ops differs from eager"
+    assert_replays_match_eager(mhc, T, D, static, run, "chained ops")
 
 
 def test_deterministic_across_calls(mhc):
