@@ -106,20 +106,8 @@ __host__ __device__ inline size_t fn_smem_bytes(int hidden) {
 // Pass 1 of a pre stages its fn slice in shared memory when its CTAs have several tiles.
 __host__ __device__ inline bool rows_staged(int num_tiles, int groups) { return num_tiles > groups; }
 
-// One entry of the CTA's fn slice as an mma A fragment, split into bf16 hi and lo: for fn row n
-// and stream i, elements 4s..4s+3 of vector `vec` of the slice as {hi01, lo01, hi23, lo23}, i.e.
-// hi in the m-tile's row g and lo in row g + 8. The k order inside a 16-wide mma step is permuted
-// (thread t owns 4 contiguous elements) identically for A and B, so the product is unchanged and
-// both operands load as plain vectors.
-template <bool kHead>
-__device__ __forceinline__ float4 fn_load(const TileArgs& a, int i, int n, int vec, int s, int v0, int W) {
-  float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (n < FnRows<kHead>::kValid && vec < W)
-    f = __ldg(reinterpret_cast<const float4*>(a.fn + (size_t)n * kHC * a.hidden + (size_t)i * a.hidden +
-                                              (size_t)(v0 + vec) * 8 + 4 * s));
-  return f;
-}
-
+// Four fn values as an mma A fragment, split into bf16 hi and lo: {hi01, lo01, hi23, lo23}, i.e.
+// hi in the m-tile's row g and lo in row g + 8.
 __device__ __forceinline__ uint4 fn_split(const float4& f) {
   uint4 q;
   split_bf16x2(f.x, f.y, q.x, q.y);
@@ -127,9 +115,17 @@ __device__ __forceinline__ uint4 fn_split(const float4& f) {
   return q;
 }
 
+// One entry of the CTA's fn slice as a fragment: for fn row n and stream i, elements 4s..4s+3 of
+// vector `vec` of the slice (zeros past the valid rows and the slice's columns). The k order
+// inside a 16-wide mma step is permuted (thread t owns 4 contiguous elements) identically for A
+// and B, so the product is unchanged and both operands load as plain vectors.
 template <bool kHead>
 __device__ __forceinline__ uint4 fn_fragment(const TileArgs& a, int i, int n, int vec, int s, int v0, int W) {
-  return fn_split(fn_load<kHead>(a, i, n, vec, s, v0, W));
+  float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (n < FnRows<kHead>::kValid && vec < W)
+    f = __ldg(reinterpret_cast<const float4*>(a.fn + (size_t)n * kHC * a.hidden + (size_t)i * a.hidden +
+                                              (size_t)(v0 + vec) * 8 + 4 * s));
+  return fn_split(f);
 }
 
 // The slice's fragments in shared memory for CTAs that reuse them over several tiles. Entry
