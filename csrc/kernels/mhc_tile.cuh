@@ -8,7 +8,7 @@
 //    B. for a pre: m = fn · x on bf16 tensor cores, fn split into bf16 hi + lo (fp32-grade
 //       accuracy), and the sum of x^2, summed warp -> CTA in a fixed order and written to a
 //       workspace ws[T][S][rows + 1]. No CTA ever waits for another: the pass streams at HBM
-//       (and NVLink) speed. At decode sizes (tiles x slices x 3 fit in one wave) CTA (g, s, p)
+//       (and NVLink) speed. At decode sizes (tiles x slices x 3 CTAs fit one per SM) CTA (g, s, p)
 //       computes only fn rows 8p..8p+7 (a = 3 parts): three times the CTAs, each loading a third
 //       of fn, with every sum bitwise unchanged (each row's mma chain is the same).
 // 2. mhc_collapse_kernel / mhc_collapse_row_kernel (pres only; 7 rows per CTA and a warp per row,
@@ -31,6 +31,9 @@
 namespace spk {
 
 enum class YSrc : int { kNone, kLocal, kPeers };
+
+// Pass-1 CTAs per SM (the kernel's launch bounds; a pre's 96 KB fn slice + static smem fit twice).
+constexpr int kRowsCtasPerSm = 2;
 
 // Where pass 1 of a pre takes its fn fragments, chosen at launch: global memory (one tile per CTA),
 // shared memory (several tiles per CTA: staged once), or global memory for one part of 8 fn rows
@@ -467,7 +470,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
 //
 // kFn: where a pre's fn fragments come from (FnSrc); kGlobal for a post alone.
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead, FnSrc kFn>
-__global__ void __launch_bounds__(kThreads, 2) mhc_rows_kernel(const __grid_constant__ TileArgs a) {
+__global__ void __launch_bounds__(kThreads, kRowsCtasPerSm) mhc_rows_kernel(const __grid_constant__ TileArgs a) {
   static_assert(kPre || kFn == FnSrc::kGlobal, "only a pre has fn");
   pdl_wait();
   // With a pre, the next kernel is our pass 2, which waits for this grid's completion before it
