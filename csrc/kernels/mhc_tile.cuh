@@ -138,9 +138,10 @@ __device__ __forceinline__ uint4 fn_fragment(const TileArgs& a, int i, int n, in
 // thread and a stride of one fn row, every load in flight before the first split (nothing else
 // is live yet). Its first form walked the entries in index order, which cost ~1860 instructions
 // per warp of index arithmetic for 24 loads (ncu at T = 1024: a third of pass 1's samples).
-// Not inlined: inlined, it moved the peers-source kernel's tile loop to 8 bytes of spills.
+// The peers-source kernel calls it out of line (stage_fn_slice_call): inlined there, it moved the
+// tile loop to 8 bytes of spills.
 template <bool kHead>
-__device__ __noinline__ void stage_fn_slice(const TileArgs& a, int v0, int W, int gmax) {
+__device__ __forceinline__ void stage_fn_slice(const TileArgs& a, int v0, int W, int gmax) {
   constexpr int kRows = FnRows<kHead>::kRows, kValid = FnRows<kHead>::kValid;
   static_assert(kThreads == kHC * 8 * 2 * 4, "a thread per (stream, group, half, vector)");
   extern __shared__ __align__(16) uint4 s_fn[];
@@ -159,6 +160,10 @@ __device__ __noinline__ void stage_fn_slice(const TileArgs& a, int v0, int W, in
     for (int n = 0; n < kRows; ++n) dst[n * 4] = fn_split(f[n]);
   }
   __syncthreads();
+}
+template <bool kHead>
+__device__ __noinline__ void stage_fn_slice_call(const TileArgs& a, int v0, int W, int gmax) {
+  stage_fn_slice<kHead>(a, v0, W, gmax);
 }
 
 // The post's new stream j for one 8-column vector: bf16(post[j] * y + sum_i res[i][j] * x_i), the
@@ -481,7 +486,11 @@ __global__ void __launch_bounds__(kThreads, kRowsCtasPerSm) mhc_rows_kernel(cons
   if constexpr (kFn == FnSrc::kShared) {
     const int S = a.slices, slice = blockIdx.x / a.parts % S, nvec = a.hidden >> 3;
     const int v0 = slice * nvec / S;
-    stage_fn_slice<kHead>(a, v0, (slice + 1) * nvec / S - v0, slice_groups(a.hidden, S));
+    const int W = (slice + 1) * nvec / S - v0, gmax = slice_groups(a.hidden, S);
+    if constexpr (kSrc == YSrc::kPeers)
+      stage_fn_slice_call<kHead>(a, v0, W, gmax);
+    else
+      stage_fn_slice<kHead>(a, v0, W, gmax);
   }
   if constexpr (kSrc == YSrc::kPeers) {
     LsaBarrier bar(a.lsa.window, a.lsa.rank, a.lsa.world, a.lsa.barrier, blockIdx.x);
