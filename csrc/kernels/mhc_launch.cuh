@@ -126,8 +126,8 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   a.slices = row_slices(D);
   a.groups = max_ctas / a.slices < 1 ? 1 : max_ctas / a.slices < num_tiles ? max_ctas / a.slices : num_tiles;
   // Decode sizes: one CTA per 8 fn rows when every (tile, slice, part) has an SM to itself. Split
-  // at two CTAs per SM, it was 5-19% slower than unsplit (T = 64 at D = 4096, T = 32 at D = 7168;
-  // TP boundary 19.8 -> 16.0 us, bench/results/ab_parts_2026-11-30.txt); at one per SM it gains.
+  // at two CTAs per SM, it was 1-23% slower than unsplit (T = 64 at D = 4096, T = 32 at D = 7168;
+  // TP boundary 19.8 against 16.1 us, bench/results/ab_parts_2026-11-30.txt); at one per SM it gains.
   constexpr int kParts = FnRows<kHead>::kRows / 8;
   a.parts = kPre && kParts > 1 && (long)num_tiles * a.slices * kParts <= max_ctas / kRowsCtasPerSm ? kParts : 1;
   a.exit_barrier = kSrc == YSrc::kPeers && kPre && !kGather;
