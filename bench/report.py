@@ -19,6 +19,7 @@ COLUMNS = (
     "baseline_us",
     "speedup",
     "floor_us",
+    "hbm_GBps",
     "frac_of_floor",
     "wrong",
 )
@@ -42,6 +43,7 @@ def make_rows(records: list[dict], floors: dict) -> list[dict]:
     rows = []
     for (op, T, D, tp, graph), recs in by_shape.items():
         fl = floor_us(op, T, D, tp, floors)
+        hbm_bytes = traffic(op, T, D, tp)[1]
         baselines = [r for r in recs if r["variant"] not in OP_VARIANTS] or [None]
         for r in (r for r in recs if r["variant"] in OP_VARIANTS):
             name = op + (":plain" if r["variant"] == "fused:plain" else "")
@@ -59,6 +61,7 @@ def make_rows(records: list[dict], floors: dict) -> list[dict]:
                     "baseline_us": bt,
                     "speedup": bt / t if t and bt else None,
                     "floor_us": fl,
+                    "hbm_GBps": hbm_bytes / t / 1e3 if t else None,
                     "frac_of_floor": fl / t if t and fl else None,
                     "wrong": r["wrong"],
                 }

@@ -17,7 +17,7 @@ cases = pytest.importorskip("cases", reason="spkernels is not importable")
 report = pytest.importorskip("report")
 
 ROW_KEYS = {"op", "T", "D", "tp", "graph", "time_us", "baseline", "baseline_us", "speedup", "floor_us",
-            "frac_of_floor"}  # fmt: skip
+            "hbm_GBps", "frac_of_floor"}  # fmt: skip
 MACHINE_KEYS = {"gpu", "gpus", "driver", "torch", "cuda", "nccl", "commit", "date"}
 
 
@@ -44,6 +44,10 @@ def test_cpu_sweep_end_to_end(tmp_path):
         assert r["graph"] is False and r["time_us"] > 0 and r["baseline_us"] > 0 and r["floor_us"] > 0, r
         assert r["speedup"] == pytest.approx(r["baseline_us"] / r["time_us"])
         assert r["frac_of_floor"] == pytest.approx(r["floor_us"] / r["time_us"])
+        hbm_bytes = cases.traffic(r["op"], r["T"], r["D"], r["tp"])[1]
+        assert r["hbm_GBps"] == pytest.approx(hbm_bytes / r["time_us"] / 1e3)
+        if r["op"] in cases.LOCAL_OPS:  # the floor is the HBM bytes at the copy bandwidth
+            assert r["frac_of_floor"] == pytest.approx(r["hbm_GBps"] / doc["floors"]["copy_GBps"])
     baselines = {r["baseline"] for r in rows}
     assert {"eager_ref", "nccl", "nccl+spkernels", "nccl+eager_ref"} <= baselines
     assert set(doc["crossover"]) == {"2"} and set(doc["crossover"]["2"]) == {"256"}
