@@ -161,6 +161,7 @@ __device__ __forceinline__ void stage_fn_slice(const TileArgs& a, int v0, int W,
   }
   __syncthreads();
 }
+
 template <bool kHead>
 __device__ __noinline__ void stage_fn_slice_call(const TileArgs& a, int v0, int W, int gmax) {
   stage_fn_slice<kHead>(a, v0, W, gmax);
