@@ -37,8 +37,8 @@ bandwidth-optimal reduce-scatter + all-gather, as nccl-tests' busbw does; at n =
 moves the same bytes). floor_us = max(NVLink bytes / link_bw, HBM bytes / copy_bw);
 frac_of_floor = floor_us / time_us; hbm_GBps = HBM bytes / time_us, the HBM bandwidth the op
 achieved (for a local op frac_of_floor = hbm_GBps / the run's copy bandwidth); speedup =
-baseline_us / time_us. Baseline rows carry the op's floor. ``wrong`` counts output elements off the reference path (cases.count_wrong); a variant with
-wrong > 0 is not timed.
+baseline_us / time_us. Baseline rows carry the op's floor. ``wrong`` counts output elements off
+the reference path (cases.count_wrong); a variant with wrong > 0 is not timed.
 """
 
 from __future__ import annotations
