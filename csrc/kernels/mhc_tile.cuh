@@ -30,7 +30,11 @@
 
 namespace spk {
 
-enum class YSrc : int { kNone, kLocal, kPeers };
+// Where a post's y comes from: none (a pre alone), a local tensor, the sum of every peer's partial
+// rows pulled over NVLink after an entry barrier (kPeers), or the TP boundary at decode sizes
+// (kPushed): each rank stores its own partial rows into every peer's push region, and a row's
+// reader polls its region until the rows are there (protocol at PushArgs).
+enum class YSrc : int { kNone, kLocal, kPeers, kPushed };
 
 // Pass-1 CTAs per SM (the kernel's launch bounds; a pre's 96 KB fn slice + static smem fit twice).
 constexpr int kRowsCtasPerSm = 2;
@@ -42,6 +46,26 @@ constexpr int kRowsCtasPerSm = 2;
 // each load (SASS of 3ab923e).
 enum class FnSrc : int { kGlobal, kShared, kParts };
 
+// The pushed TP boundary (YSrc::kPushed, mhc_post_pre_ar at T <= PushArgs::rows): no barrier.
+// Push region of rank r: [2 slots][world senders][rows][D] bf16, every element the sentinel
+// 0x8000 (-0.0) unless a value is in flight. A call uses slot `calls & 1`. Pass 1: the CTA of a
+// (tile, slice) with part 0 loads its vectors of this rank's partial, turns -0.0 into +0.0 (the
+// sum starts at +0.0, so its bits do not change) and stores them at [slot][rank] in every peer's
+// region; every part then polls [slot][peer] of its own region until no lane is the sentinel, and
+// sums the rows in rank order as kPeers does. The own partial is read where the caller has it
+// (TileArgs::y), not from the window: no staging copy. Pass 2 (after pass 1 completed: every
+// pushed row of the call was read) writes the sentinel back over rows [0, T) of the slot and
+// increments `calls`.
+// A peer writes this slot again two pushed calls later, after it read this rank's rows of the
+// call in between, which this rank pushed only after this call's pass 2 completed: so the slot
+// is clear by then. Nobody reads this rank's partial region remotely, so the exit barrier goes too.
+struct PushArgs {
+  size_t offset;    // bytes: this rank's push region of the window
+  int rows;         // rows per (slot, sender)
+  uint32_t* calls;  // local: pushed calls so far; null: not a pushed call (pass 2 clears nothing)
+  uint32_t* slot;   // the call's workspace word: the slot pass 1 used, for pass 2
+};
+
 struct LsaArgs {
   ncclWindow_t window;
   size_t partial_offset;  // bytes: this rank's [max_tokens, D] partial region of the window
@@ -49,13 +73,14 @@ struct LsaArgs {
   int rank, world;
   int partial_row0;  // first partial row this rank reduces (SP: rank * T_local; TP: 0)
   BarrierArgs barrier;
+  PushArgs push;
 };
 
 struct TileArgs {
   int num_tokens;  // rows this rank mixes: T_local in SP mode, T otherwise
   int hidden;
   const __nv_bfloat16* stream;  // [num_tokens, 4, D]
-  const __nv_bfloat16* y;       // [num_tokens, D] (YSrc::kLocal)
+  const __nv_bfloat16* y;       // [num_tokens, D]: YSrc::kLocal's y, YSrc::kPushed's own partial
   const float* post_mix_in;     // [num_tokens, 4]
   const float* res_mix_in;      // [num_tokens, 4, 4]
   const float* fn;              // [24, 4D] ([4, 4D] for the head)
@@ -167,6 +192,30 @@ __device__ __noinline__ void stage_fn_slice_call(const TileArgs& a, int v0, int 
   stage_fn_slice<kHead>(a, v0, W, gmax);
 }
 
+// Pushed rows (PushArgs): the sentinel in both bf16 lanes of a word, -0.0 -> +0.0, and the poll.
+constexpr uint32_t kPushSentinel = 0x80008000u;
+
+__device__ __forceinline__ uint32_t no_neg_zero(uint32_t w) {
+  if ((w & 0xffffu) == 0x8000u) w &= 0xffff0000u;
+  if ((w >> 16) == 0x8000u) w &= 0x0000ffffu;
+  return w;
+}
+
+__device__ __forceinline__ bool has_sentinel(uint32_t w) { return (w & 0xffffu) == 0x8000u || (w >> 16) == 0x8000u; }
+
+__device__ __forceinline__ bool has_sentinel(const uint4& v) {
+  return has_sentinel(v.x) || has_sentinel(v.y) || has_sentinel(v.z) || has_sentinel(v.w);
+}
+
+// A load from L2 on every call (the peers' NVLink stores land there), never an L1 line.
+__device__ __forceinline__ uint4 ld_volatile(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 // The post's new stream j for one 8-column vector: bf16(post[j] * y + sum_i res[i][j] * x_i), the
 // sum in stream order. mix = post[4] | res[4][4] (res[i][j] at kHC + i * kHC + j). Both post
 // kernels use it, so a row is bitwise the same whichever runs it.
@@ -206,6 +255,12 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
   const size_t srow = (size_t)kHC * D;
   const int vec = warp * 4 + t;  // this thread's vector of the slice (per stream)
   const size_t col = (size_t)(v0 + vec) * 8;
+  // kPushed: this call's slot (pass 2 of the call before incremented `calls` and has completed).
+  uint32_t pslot = 0;
+  if constexpr (kSrc == YSrc::kPushed) {
+    pslot = __ldcg(a.lsa.push.calls) & 1u;
+    if (blockIdx.x == 0 && tid == 0) *a.lsa.push.slot = pslot;
+  }
 
   // ---- A: every stream load of a tile issued at once; x[h][i] = token g + 8h, stream i. A local
   // post's y rows go out with them (yr[h]), not after the barrier that stages the tile's mixes:
@@ -258,6 +313,26 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
     // pre they read before its sums' barriers (and s_red is the other buffer).
     if constexpr (!kPre) __syncthreads();
     if constexpr (kPost) {
+      // kPushed: this rank's vector of row `row` in `sender`'s place of a push region (PushArgs).
+      auto push_off = [&](int sender, int row) {
+        return a.lsa.push.offset + ((((size_t)pslot * a.lsa.world + sender) * a.lsa.push.rows + row) * D + col) * 2;
+      };
+      uint4 mine[2];  // kPushed: this rank's own partial vectors of tokens g and g + 8
+      auto push_y = [&](int h) {
+        const int row = row_base + g + 8 * h;
+        mine[h] = make_uint4(0, 0, 0, 0);
+        if (vec >= W || row >= T) return;
+        uint4 v = *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col);
+        v = make_uint4(no_neg_zero(v.x), no_neg_zero(v.y), no_neg_zero(v.z), no_neg_zero(v.w));
+        mine[h] = v;
+        if (part != 0) return;  // one pusher per vector: the (tile, slice)'s part 0
+        for (int k = 0; k < a.lsa.world - 1; ++k)
+          *static_cast<uint4*>(ncclGetLsaPointer(a.lsa.window, push_off(a.lsa.rank, row), k + (k >= a.lsa.rank))) = v;
+      };
+      if constexpr (kSrc == YSrc::kPushed) {  // both rows out first, before the mixes' barrier
+        push_y(0);
+        push_y(1);
+      }
       for (int idx = tid; idx < kTileTokens * (kMix - kHC); idx += kThreads) {
         const int tok = idx / (kMix - kHC), c = idx % (kMix - kHC), row = row_base + tok;
         float v = 0.f;
@@ -293,6 +368,39 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
               }
             }
             y = float_to_bf16x8(yv);
+          } else if constexpr (kSrc == YSrc::kPushed) {
+            float yv[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            // Four peers' polls in flight at a time, as kPeers' loads.
+#pragma unroll
+            for (int p0 = 0; p0 < kMaxPeers; p0 += 4) {
+              if (p0 >= a.lsa.world) break;
+              const uint4* src[4];
+              uint4 pv[4];
+#pragma unroll
+              for (int k = 0; k < 4; ++k) {
+                const int p = p0 + k;
+                if (p < a.lsa.world && p != a.lsa.rank) {
+                  src[k] = static_cast<const uint4*>(ncclGetLsaPointer(a.lsa.window, push_off(p, row), a.lsa.rank));
+                  pv[k] = ld_volatile(src[k]);
+                }
+              }
+#pragma unroll
+              for (int k = 0; k < 4; ++k) {
+                const int p = p0 + k;
+                if (p >= a.lsa.world) break;
+                if (p == a.lsa.rank) {
+                  pv[k] = mine[h];
+                } else if (has_sentinel(pv[k])) {
+                  spin_until([&] { return !has_sentinel(pv[k] = ld_volatile(src[k])); }, a.lsa.barrier, blockIdx.x, p,
+                             BarrierSite::kPushedRows);
+                }
+                float f[8];
+                bf16x8_to_float(pv[k], f);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) yv[e] += f[e];
+              }
+            }
+            y = float_to_bf16x8(yv);
           } else if constexpr (kEarlyY) {
             y = yr[h];
           } else {
@@ -305,7 +413,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
       // keeps a later load after it, and token g + 8's loads waited for them (one more round trip
       // from T = 9 on, over NVLink for the peers' partials). Where registers allow, both before
       // token g's mix; a local post_pre only after it (16 bytes spilled otherwise).
-      constexpr bool kYFirst = kSrc == YSrc::kPeers || kEarlyY;
+      constexpr bool kYFirst = kSrc == YSrc::kPeers || kSrc == YSrc::kPushed || kEarlyY;
       uint4 yb[2];
       yb[0] = fetch_y(0);
       if constexpr (kYFirst) yb[1] = fetch_y(1);
@@ -478,6 +586,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead, FnSrc kFn>
 __global__ void __launch_bounds__(kThreads, kRowsCtasPerSm) mhc_rows_kernel(const __grid_constant__ TileArgs a) {
   static_assert(kPre || kFn == FnSrc::kGlobal, "only a pre has fn");
+  static_assert(kSrc != YSrc::kPushed || (kPost && kPre), "pushed rows: the TP boundary");
   pdl_wait();
   // With a pre, the next kernel is our pass 2, which waits for this grid's completion before it
   // touches memory (pdl.cuh): letting it launch now only hides its launch latency. After the wait:
@@ -638,17 +747,36 @@ __device__ __forceinline__ bool collapse_coefficients(const TileArgs& a, int row
   return false;
 }
 
+// The pushed TP boundary's pass 2 (PushArgs), after pdl_wait(): the sentinel back over the rows
+// [0, T) of every peer in the slot pass 1 used, spread over the grid; then the next call's slot.
+__device__ __forceinline__ void clear_pushed(const TileArgs& a) {
+  const PushArgs& p = a.lsa.push;
+  const int world = a.lsa.world, rank = a.lsa.rank;
+  const uint32_t slot = *p.slot;
+  const size_t row_vecs = (size_t)a.hidden / 8, per_peer = (size_t)a.num_tokens * row_vecs;
+  uint4* region = static_cast<uint4*>(ncclGetLsaPointer(a.lsa.window, p.offset, rank));
+  const uint4 sentinel = make_uint4(kPushSentinel, kPushSentinel, kPushSentinel, kPushSentinel);
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (world - 1) * per_peer;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const int k = (int)(i / per_peer), sender = k + (k >= rank);
+    region[((size_t)slot * world + sender) * p.rows * row_vecs + i % per_peer] = sentinel;
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) *p.calls += 1;  // no pass-2 CTA reads it
+}
+
 // Pass 2's prologue, shared by both kernels; false: this CTA is done. pdl_wait(): pass 1 complete
 // and its writes (ws, new_stream, barrier epochs) visible; in SP mode also the peers' previous
-// copy-in kernels have completed, so the pushes are safe ((B) in lsa_gather.cuh). TP boundary: the
-// grid's extra last CTA does the exit barrier alone (every peer has finished pass 1, so nobody
-// reads this rank's partial any more), so no row waits for the peers. After pdl_wait(): the peer's
-// pass 2 arriving there implies its pass 1 completed (pdl.cuh).
+// copy-in kernels have completed, so the pushes are safe ((B) in lsa_gather.cuh). Pulled TP
+// boundary: the grid's extra last CTA does the exit barrier alone (every peer has finished pass 1,
+// so nobody reads this rank's partial any more), so no row waits for the peers. After pdl_wait():
+// the peer's pass 2 arriving there implies its pass 1 completed (pdl.cuh). Pushed TP boundary:
+// every CTA clears its share of the push slot instead (clear_pushed).
 template <bool kGather>
 __device__ __forceinline__ bool collapse_prologue(const TileArgs& a) {
   pdl_wait();
   // In SP mode the next kernel is our copy-in kernel, which waits for this grid's completion.
   if constexpr (kGather) pdl_launch_dependents();
+  if (a.lsa.push.calls != nullptr) clear_pushed(a);
   if (a.exit_barrier && blockIdx.x == gridDim.x - 1) {  // CTA-uniform
     LsaBarrier bar(a.lsa.window, a.lsa.rank, a.lsa.world, a.lsa.barrier, 0);
     bar.sync(BarrierSite::kExit);

@@ -211,11 +211,22 @@ PostPreOut mhc_post_pre_ar_cuda(const Tensor& partial, const Tensor& stream, con
     return mhc_post_pre_cuda(nccl_reduce(c, partial, stream.size(0), false), stream, post_mix, res_mix, fn, scale, base,
                              norm_weight, pre_mix_in, rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha);
   Tensor new_stream = at::empty_like(stream);
-  TileArgs a = lsa_post_args(c, partial, stream, post_mix, res_mix, new_stream, 0);
+  // Decode sizes: the pushed protocol (PushArgs in mhc_tile.cuh), which reads `partial` where it is.
+  const bool pushed = stream.size(0) <= c.push_rows;
+  TileArgs a = base_tile_args(stream);
+  set_post_args(a, post_mix, res_mix, new_stream);
+  set_lsa(a, c, 0);
   auto [li, post, res, pre] =
       set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in,
                    make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha), stream.size(0));
-  run_mhc<YSrc::kPeers, true, true, false, false>(a, c.max_ctas);
+  if (pushed) {
+    a.y = cptr<__nv_bfloat16>(partial);
+    a.lsa.push = {c.push_offset(), c.push_rows, c.push_calls, nullptr};
+    run_mhc<YSrc::kPushed, true, true, false, false>(a, c.max_ctas);
+  } else {
+    stage_partial(c, partial);
+    run_mhc<YSrc::kPeers, true, true, false, false>(a, c.max_ctas);
+  }
   return {new_stream, li, post, res, pre};
 }
 
