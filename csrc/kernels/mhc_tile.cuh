@@ -46,24 +46,26 @@ constexpr int kRowsCtasPerSm = 2;
 // each load (SASS of 3ab923e).
 enum class FnSrc : int { kGlobal, kShared, kParts };
 
-// The pushed TP boundary (YSrc::kPushed, mhc_post_pre_ar at T <= PushArgs::rows): no barrier.
-// Push region of rank r: [2 slots][world senders][rows][D] bf16, every element the sentinel
-// 0x8000 (-0.0) unless a value is in flight. A call uses slot `calls & 1`. Pass 1: the CTA of a
-// (tile, slice) with part 0 loads its vectors of this rank's partial, turns -0.0 into +0.0 (the
-// sum starts at +0.0, so its bits do not change) and stores them at [slot][rank] in every peer's
-// region; every part then polls [slot][peer] of its own region until no lane is the sentinel, and
-// sums the rows in rank order as kPeers does. The own partial is read where the caller has it
-// (TileArgs::y), not from the window: no staging copy. Pass 2 (after pass 1 completed: every
-// pushed row of the call was read) writes the sentinel back over rows [0, T) of the slot and
-// increments `calls`.
-// A peer writes this slot again two pushed calls later, after it read this rank's rows of the
-// call in between, which this rank pushed only after this call's pass 2 completed: so the slot
-// is clear by then. Nobody reads this rank's partial region remotely, so the exit barrier goes too.
+// The pushed TP ops (YSrc::kPushed: mhc_post_pre_ar and mhc_post_ar at T <= PushArgs::rows): no
+// barrier. Push region of rank r: [2 slots][world senders][rows][D] bf16, every element the
+// sentinel 0x8000 (-0.0) unless a value is in flight. A call uses slot `calls & 1`. Pass 1: the
+// CTA of a (tile, slice) with part 0 loads its vectors of this rank's partial, turns -0.0 into
+// +0.0 (the sum starts at +0.0, so its bits do not change) and stores them at [slot][rank] in
+// every peer's region; every part then polls [slot][peer] of its own region until no lane is the
+// sentinel, and sums the rows in rank order as kPeers does. The own partial is read where the
+// caller has it (TileArgs::y), not from the window: no staging copy. Each pass-1 CTA then takes a
+// ticket; the last one resets it and increments `calls` (every CTA has read it by then). The
+// sentinel goes back over the call's rows once nobody reads them any more: at once by the one
+// reader of a vector in a post alone; in pass 2 (pass 1 complete) for a post_pre, whose split
+// pass 1 has three readers per vector.
+// A peer writes a slot again two pushed calls later, after it read this rank's rows of the call
+// in between, which this rank pushed only after this call's kernels completed: so the slot is
+// clear by then. Nobody reads this rank's partial region remotely, so the exit barrier goes too.
 struct PushArgs {
-  size_t offset;    // bytes: this rank's push region of the window
-  int rows;         // rows per (slot, sender)
-  uint32_t* calls;  // local: pushed calls so far; null: not a pushed call (pass 2 clears nothing)
-  uint32_t* slot;   // the call's workspace word: the slot pass 1 used, for pass 2
+  size_t offset;     // bytes: this rank's push region of the window
+  int rows;          // rows per (slot, sender)
+  uint32_t* calls;   // local: pushed calls so far; null: not a pushed call (pass 2 clears nothing)
+  uint32_t* ticket;  // local: pass-1 CTAs done reading `calls` in this call
 };
 
 struct LsaArgs {
@@ -216,6 +218,17 @@ __device__ __forceinline__ uint4 ld_volatile(const uint4* p) {
   return v;
 }
 
+// The end of a pushed pass 1 (PushArgs): the last CTA to take a ticket, when every CTA has read
+// `calls`, moves the next call to the other slot.
+__device__ __forceinline__ void push_ticket(const TileArgs& a) {
+  __syncthreads();  // every thread of the CTA has read `calls`
+  if (threadIdx.x != 0) return;
+  cuda::atomic_ref<uint32_t, cuda::thread_scope_device> ticket(*a.lsa.push.ticket);
+  if (ticket.fetch_add(1, cuda::memory_order_acq_rel) != gridDim.x - 1) return;
+  ticket.store(0, cuda::memory_order_relaxed);
+  *a.lsa.push.calls += 1;
+}
+
 // The post's new stream j for one 8-column vector: bf16(post[j] * y + sum_i res[i][j] * x_i), the
 // sum in stream order. mix = post[4] | res[4][4] (res[i][j] at kHC + i * kHC + j). Both post
 // kernels use it, so a row is bitwise the same whichever runs it.
@@ -255,12 +268,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
   const size_t srow = (size_t)kHC * D;
   const int vec = warp * 4 + t;  // this thread's vector of the slice (per stream)
   const size_t col = (size_t)(v0 + vec) * 8;
-  // kPushed: this call's slot (pass 2 of the call before incremented `calls` and has completed).
-  uint32_t pslot = 0;
-  if constexpr (kSrc == YSrc::kPushed) {
-    pslot = __ldcg(a.lsa.push.calls) & 1u;
-    if (blockIdx.x == 0 && tid == 0) *a.lsa.push.slot = pslot;
-  }
+  // kPushed: this call's slot (the call before incremented `calls` and has completed).
+  const uint32_t pslot = kSrc == YSrc::kPushed ? __ldcg(a.lsa.push.calls) & 1u : 0u;
 
   // ---- A: every stream load of a tile issued at once; x[h][i] = token g + 8h, stream i. A local
   // post's y rows go out with them (yr[h]), not after the barrier that stages the tile's mixes:
@@ -390,9 +399,13 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
                 if (p >= a.lsa.world) break;
                 if (p == a.lsa.rank) {
                   pv[k] = mine[h];
-                } else if (has_sentinel(pv[k])) {
-                  spin_until([&] { return !has_sentinel(pv[k] = ld_volatile(src[k])); }, a.lsa.barrier, blockIdx.x, p,
-                             BarrierSite::kPushedRows);
+                } else {
+                  if (has_sentinel(pv[k]))
+                    spin_until([&] { return !has_sentinel(pv[k] = ld_volatile(src[k])); }, a.lsa.barrier, blockIdx.x, p,
+                               BarrierSite::kPushedRows);
+                  if constexpr (!kPre)  // the vector's only reader: clear it now (PushArgs)
+                    *const_cast<uint4*>(src[k]) =
+                        make_uint4(kPushSentinel, kPushSentinel, kPushSentinel, kPushSentinel);
                 }
                 float f[8];
                 bf16x8_to_float(pv[k], f);
@@ -586,7 +599,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead, FnSrc kFn>
 __global__ void __launch_bounds__(kThreads, kRowsCtasPerSm) mhc_rows_kernel(const __grid_constant__ TileArgs a) {
   static_assert(kPre || kFn == FnSrc::kGlobal, "only a pre has fn");
-  static_assert(kSrc != YSrc::kPushed || (kPost && kPre), "pushed rows: the TP boundary");
+  static_assert(kSrc != YSrc::kPushed || kPost, "pushed rows: a TP post");
   pdl_wait();
   // With a pre, the next kernel is our pass 2, which waits for this grid's completion before it
   // touches memory (pdl.cuh): letting it launch now only hides its launch latency. After the wait:
@@ -617,6 +630,7 @@ __global__ void __launch_bounds__(kThreads, kRowsCtasPerSm) mhc_rows_kernel(cons
       }
     }
     mhc_rows<kSrc, kPost, kPre, kHead, kFn>(a);
+    if constexpr (kSrc == YSrc::kPushed) push_ticket(a);
   }
 }
 
@@ -748,11 +762,12 @@ __device__ __forceinline__ bool collapse_coefficients(const TileArgs& a, int row
 }
 
 // The pushed TP boundary's pass 2 (PushArgs), after pdl_wait(): the sentinel back over the rows
-// [0, T) of every peer in the slot pass 1 used, spread over the grid; then the next call's slot.
+// [0, T) of every peer in the slot pass 1 used (pass 1 has incremented `calls` since), spread over
+// the grid.
 __device__ __forceinline__ void clear_pushed(const TileArgs& a) {
   const PushArgs& p = a.lsa.push;
   const int world = a.lsa.world, rank = a.lsa.rank;
-  const uint32_t slot = *p.slot;
+  const uint32_t slot = (*p.calls + 1u) & 1u;
   const size_t row_vecs = (size_t)a.hidden / 8, per_peer = (size_t)a.num_tokens * row_vecs;
   uint4* region = static_cast<uint4*>(ncclGetLsaPointer(a.lsa.window, p.offset, rank));
   const uint4 sentinel = make_uint4(kPushSentinel, kPushSentinel, kPushSentinel, kPushSentinel);
@@ -761,7 +776,6 @@ __device__ __forceinline__ void clear_pushed(const TileArgs& a) {
     const int k = (int)(i / per_peer), sender = k + (k >= rank);
     region[((size_t)slot * world + sender) * p.rows * row_vecs + i % per_peer] = sentinel;
   }
-  if (blockIdx.x == 0 && threadIdx.x == 0) *p.calls += 1;  // no pass-2 CTA reads it
 }
 
 // Pass 2's prologue, shared by both kernels; false: this CTA is done. pdl_wait(): pass 1 complete

@@ -126,13 +126,14 @@ int64_t comm_create(int64_t handle, std::vector<int64_t> unique_id, int64_t rank
   b.inbox_offset = s->inbox_offset();
   b.timeout_ns = (uint64_t)std::ceil(barrier_timeout_s * 1e9);
   s->barrier_timeout_s = barrier_timeout_s;
-  SPK_CUDA_CHECK(cudaMalloc((void**)&b.epochs, (s->max_ctas + 2) * sizeof(uint32_t)));
+  SPK_CUDA_CHECK(cudaMalloc((void**)&b.epochs, (s->max_ctas + 3) * sizeof(uint32_t)));
   b.failed = b.epochs + s->max_ctas;
   s->push_calls = b.epochs + s->max_ctas + 1;
+  s->push_ticket = b.epochs + s->max_ctas + 2;
   SPK_CUDA_CHECK(cudaHostAlloc((void**)&s->barrier_error, sizeof(BarrierError), cudaHostAllocMapped));
   std::memset(s->barrier_error, 0, sizeof(BarrierError));
   SPK_CUDA_CHECK(cudaHostGetDevicePointer((void**)&b.error, s->barrier_error, 0));
-  SPK_CUDA_CHECK(cudaMemsetAsync(b.epochs, 0, (s->max_ctas + 2) * sizeof(uint32_t), st));
+  SPK_CUDA_CHECK(cudaMemsetAsync(b.epochs, 0, (s->max_ctas + 3) * sizeof(uint32_t), st));
   SPK_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(s->buffer) + s->inbox_offset(), 0, s->inbox_bytes(), st));
   if (s->push_rows > 0) {  // every element of the push region the sentinel (PushArgs)
     fill_words<<<256, 256, 0, st>>>(reinterpret_cast<uint32_t*>(static_cast<char*>(s->buffer) + s->push_offset()),

@@ -11,8 +11,8 @@
 
 namespace spk {
 
-// mhc_post_pre_ar pushes its partial rows up to this T (decode; above, the entry barrier and pulls).
-// SPK_TP_PUSH=0 at Communicator creation turns it off.
+// mhc_post_pre_ar and mhc_post_ar push their partial rows up to this T (decode; above, the entry
+// barrier and pulls). SPK_TP_PUSH=0 at Communicator creation turns it off.
 constexpr int kPushMaxTokens = 128;
 
 struct CommState {
@@ -28,9 +28,9 @@ struct CommState {
   ncclDevComm dev_comm = {};
   bool has_dev_comm = false;
   double barrier_timeout_s = 0;  // SPK_BARRIER_TIMEOUT; 0: the barriers wait forever
-  BarrierArgs barrier = {};      // epochs, `failed` and push_calls: one device allocation
-  int push_rows = 0;             // the pushed TP boundary up to this T (0: off; PushArgs)
-  uint32_t* push_calls = nullptr;
+  BarrierArgs barrier = {};      // epochs, `failed`, push_calls and push_ticket: one device allocation
+  int push_rows = 0;             // the pushed TP ops up to this T (0: off; PushArgs)
+  uint32_t *push_calls = nullptr, *push_ticket = nullptr;
   BarrierError* barrier_error = nullptr;  // host side of barrier.error (pinned, mapped)
 
   size_t region_bytes() const { return (size_t)max_tokens * hidden * 2; }

@@ -70,12 +70,9 @@ template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kGather>
 inline void run_mhc(TileArgs a, int max_ctas) {
   Tensor ws;
   if constexpr (kPre) {
-    // + a pushed call's slot word (PushArgs::slot)
-    const int64_t n = (int64_t)a.num_tokens * row_slices(a.hidden) * FnRows<kHead>::kVals;
-    ws = at::empty({n + (kSrc == YSrc::kPushed ? 1 : 0)},
+    ws = at::empty({(int64_t)a.num_tokens * row_slices(a.hidden) * FnRows<kHead>::kVals},
                    at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, c10::cuda::current_device()));
     a.ws = ptr<float>(ws);
-    if constexpr (kSrc == YSrc::kPushed) a.lsa.push.slot = reinterpret_cast<uint32_t*>(a.ws + n);
   }
   SPK_CUDA_CHECK((launch_mhc<kSrc, kPost, kPre, kHead, kGather>(a, max_ctas, c10::cuda::getCurrentCUDAStream())));
 }
