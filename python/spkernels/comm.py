@@ -59,6 +59,11 @@ class Communicator:
     barrier and the missing rank. The communicator is then unusable: ``close()`` aborts its NCCL
     communicator (no collective teardown with a peer gone); exit the process or recreate the
     process group.
+
+    At T <= 128 the TP ops (``mhc_post_pre_ar``, ``mhc_post_ar``) meet no barrier: each rank pushes
+    its partial rows into the peers' buffers and waits (with the same timeout) for theirs.
+    ``SPK_TP_PUSH=0`` at creation (read by the C++ side; the ranks take the minimum) keeps them
+    pulling after an entry barrier at every T.
     """
 
     def __init__(
