@@ -209,12 +209,14 @@ __device__ __forceinline__ bool has_sentinel(const uint4& v) {
   return has_sentinel(v.x) || has_sentinel(v.y) || has_sentinel(v.z) || has_sentinel(v.w);
 }
 
-// A load from L2 on every call (the peers' NVLink stores land there), never an L1 line.
+// A load from L2 on every call (the peers' NVLink stores land there), never an L1 line. The
+// "memory" clobber keeps the compiler from moving the post's clearing store (same address) above it.
 __device__ __forceinline__ uint4 ld_volatile(const uint4* p) {
   uint4 v;
   asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+               : "l"(p)
+               : "memory");
   return v;
 }
 
