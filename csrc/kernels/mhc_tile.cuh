@@ -49,18 +49,16 @@ enum class FnSrc : int { kGlobal, kShared, kParts };
 // The pushed TP ops (YSrc::kPushed: mhc_post_pre_ar and mhc_post_ar at T <= PushArgs::rows): no
 // barrier. Push region of rank r: [2 slots][world senders][rows][D] bf16, every element the
 // sentinel 0x8000 (-0.0) unless a value is in flight. A call uses slot `calls & 1`. Pass 1: the
-// CTA of a (tile, slice) with part 0 loads its vectors of this rank's partial, turns -0.0 into
-// +0.0 (the sum starts at +0.0, so its bits do not change) and stores them at [slot][rank] in
-// every peer's region; every part then polls [slot][peer] of its own region until no lane is the
-// sentinel, and sums the rows in rank order as kPeers does. The own partial is read where the
-// caller has it (TileArgs::y), not from the window: no staging copy. Each pass-1 CTA then takes a
-// ticket; the last one resets it and increments `calls` (every CTA has read it by then). The
-// sentinel goes back over the call's rows once nobody reads them any more: at once by the one
-// reader of a vector in a post alone; in pass 2 (pass 1 complete) for a post_pre, whose split
-// pass 1 has three readers per vector.
-// A peer writes a slot again two pushed calls later, after it read this rank's rows of the call
-// in between, which this rank pushed only after this call's kernels completed: so the slot is
-// clear by then. Nobody reads this rank's partial region remotely, so the exit barrier goes too.
+// CTAs of a (tile, slice) (its parts, a share of the rows each) load its vectors of this rank's
+// partial, turn -0.0 into +0.0 (the sum starts at +0.0, so its bits do not change) and store
+// them at [slot][rank] in every peer's region; every part then polls [slot][peer] of its own region until no lane is
+// the sentinel, and sums the rows in rank order as kPeers does. The own partial is read where the caller has it
+// (TileArgs::y), not from the window: no staging copy. Each pass-1 CTA then takes a ticket; the last one resets it and
+// increments `calls` (every CTA has read it by then). The sentinel goes back over the call's rows once nobody reads
+// them any more: at once by the one reader of a vector in a post alone; in pass 2 (pass 1 complete) for a post_pre,
+// whose split pass 1 has three readers per vector. A peer writes a slot again two pushed calls later, after it read
+// this rank's rows of the call in between, which this rank pushed only after this call's kernels completed: so the slot
+// is clear by then. Nobody reads this rank's partial region remotely, so the exit barrier goes too.
 struct PushArgs {
   size_t offset;     // bytes: this rank's push region of the window
   int rows;          // rows per (slot, sender)
@@ -324,25 +322,31 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
     // pre they read before its sums' barriers (and s_red is the other buffer).
     if constexpr (!kPre) __syncthreads();
     if constexpr (kPost) {
-      // kPushed: this rank's vector of row `row` in `sender`'s place of a push region (PushArgs).
-      auto push_off = [&](int sender, int row) {
-        return a.lsa.push.offset + ((((size_t)pslot * a.lsa.world + sender) * a.lsa.push.rows + row) * D + col) * 2;
+      // kPushed: this rank's vector `v` of row `row` in `sender`'s place of a push region (PushArgs).
+      auto push_off = [&](int sender, int row, int v) {
+        return a.lsa.push.offset +
+               ((((size_t)pslot * a.lsa.world + sender) * a.lsa.push.rows + row) * D + (size_t)(v0 + v) * 8) * 2;
       };
-      uint4 mine[2];  // kPushed: this rank's own partial vectors of tokens g and g + 8
-      auto push_y = [&](int h) {
-        const int row = row_base + g + 8 * h;
-        mine[h] = make_uint4(0, 0, 0, 0);
-        if (vec >= W || row >= T) return;
-        uint4 v = *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col);
-        v = make_uint4(no_neg_zero(v.x), no_neg_zero(v.y), no_neg_zero(v.z), no_neg_zero(v.w));
-        mine[h] = v;
-        if (part != 0) return;  // one pusher per vector: the (tile, slice)'s part 0
-        for (int k = 0; k < a.lsa.world - 1; ++k)
-          *static_cast<uint4*>(ncclGetLsaPointer(a.lsa.window, push_off(a.lsa.rank, row), k + (k >= a.lsa.rank))) = v;
-      };
-      if constexpr (kSrc == YSrc::kPushed) {  // both rows out first, before the mixes' barrier
-        push_y(0);
-        push_y(1);
+      uint4 mine[2];                          // kPushed: this rank's own partial vectors of tokens g and g + 8
+      if constexpr (kSrc == YSrc::kPushed) {  // the rows out first, before the mixes' barrier
+        // The (tile, slice)'s rows of this rank's partial into every peer's push region, dealt
+        // round the parts by row, a warp per run of 32 vectors of a row: whole 128-byte lines
+        // over NVLink, where the tile layout would store 64-byte pieces of 8 rows.
+        const int rows = min(kTileTokens, T - row_base), mine_rows = (rows - part + parts - 1) / parts;
+        for (int i = tid; i < mine_rows * W; i += kThreads) {
+          const int row = row_base + part + parts * (i / W), v = i % W;
+          uint4 y = *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + (size_t)(v0 + v) * 8);
+          y = make_uint4(no_neg_zero(y.x), no_neg_zero(y.y), no_neg_zero(y.z), no_neg_zero(y.w));
+          for (int k = 0; k < a.lsa.world - 1; ++k)
+            *static_cast<uint4*>(ncclGetLsaPointer(a.lsa.window, push_off(a.lsa.rank, row, v), k + (k >= a.lsa.rank))) =
+                y;
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = row_base + g + 8 * h;
+          mine[h] = vec < W && row < T ? *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col)
+                                       : make_uint4(0, 0, 0, 0);
+        }
       }
       for (int idx = tid; idx < kTileTokens * (kMix - kHC); idx += kThreads) {
         const int tok = idx / (kMix - kHC), c = idx % (kMix - kHC), row = row_base + tok;
@@ -391,7 +395,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
               for (int k = 0; k < 4; ++k) {
                 const int p = p0 + k;
                 if (p < a.lsa.world && p != a.lsa.rank) {
-                  src[k] = static_cast<const uint4*>(ncclGetLsaPointer(a.lsa.window, push_off(p, row), a.lsa.rank));
+                  src[k] =
+                      static_cast<const uint4*>(ncclGetLsaPointer(a.lsa.window, push_off(p, row, vec), a.lsa.rank));
                   pv[k] = ld_volatile(src[k]);
                 }
               }
