@@ -292,14 +292,15 @@ def test_gather_protocol_back_to_back(T, D):
 
 
 def _tp_push_race_worker(rank, world_size, D):
-    """The pushed TP ops' protocol (PushArgs in mhc_tile.cuh): 90 mhc_post_pre_ar and mhc_post_ar
-    calls back to back without a host sync, pushed (T <= 128: slots alternate; a post_pre's pass 2
-    clears them, a post's readers at once) and pulled (T = 200) interleaved, the zero-copy partial
-    rewritten right after each call, one rank lagging by a varying amount before each call, must
-    each give bitwise the result of the same call on a communicator that only pulls
-    (SPK_TP_PUSH=0), run alone between host syncs: a row read before its push landed, a slot not
-    cleared in time or a push into a slot still being read changes rows or hangs (then the barrier
-    timeout fails the test). Also: -0.0 partials (the sentinel's bits) arrive as zeros."""
+    """The pushed mhc_post_ar's protocol (PushArgs in mhc_tile.cuh): 90 calls back to back without a
+    host sync, pushed (T <= 128: slots alternate, each vector's reader clears it) and pulled
+    (T = 200), interleaved with mhc_post_pre_ar calls (pulled: the same window's barriers and
+    partial region), the zero-copy partial rewritten right after each call, one rank lagging by a
+    varying amount before each call, must each give bitwise the result of the same call on a
+    communicator that only pulls (SPK_TP_PUSH=0), run alone between host syncs: a row read before
+    its push landed, a slot not cleared in time or a push into a slot still being read changes rows
+    or hangs (then the barrier timeout fails the test). Also: -0.0 partials (the sentinel's bits)
+    arrive as zeros."""
     import spkernels
 
     os.environ["SPK_FUSED"] = "1"
@@ -318,8 +319,8 @@ def _tp_push_race_worker(rank, world_size, D):
             part = buf[:T].copy_(part)
         post = (part, stream[:T], post_mix[:T], res_mix[:T])
         if i % 3 == 2:
-            return (ops.mhc_post_ar(*post, comm.handle),)
-        return ops.mhc_post_pre_ar(*post, *pre_args, *eps, comm.handle)
+            return ops.mhc_post_pre_ar(*post, *pre_args, *eps, comm.handle)
+        return (ops.mhc_post_ar(*post, comm.handle),)
 
     os.environ["SPK_TP_PUSH"] = "0"
     pulled = spkernels.Communicator(max_tokens=Tmax, hidden_size=D)

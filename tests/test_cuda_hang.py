@@ -39,8 +39,8 @@ OPS = {
     "mhc_post_pre_rs_ag": "entry",
     "mhc_pre_ag": "gather push",
     "sp_all_gather": "gather entry",
-    "mhc_post_pre_ar": "pushed rows",  # T <= 128: no barrier, a wait for the peer's rows
-    "mhc_post_pre_ar:pulled": "entry",  # a communicator created with SPK_TP_PUSH=0
+    "mhc_post_pre_ar": "entry",
+    "mhc_post_ar": "pushed rows",  # T <= 128: no barrier, a wait for the peer's rows
 }
 
 
@@ -63,9 +63,7 @@ def op_calls(rank: int) -> dict:
         "mhc_pre_ag": lambda h: ops.mhc_pre_ag(shard(stream), *site, *eps, h),
         "sp_all_gather": lambda h: ops.sp_all_gather(shard(post_mix), T, h),
         "mhc_post_pre_ar": lambda h: ops.mhc_post_pre_ar(partial, stream, post_mix, res_mix, *site, *eps, h),
-        "mhc_post_pre_ar:pulled": lambda h: ops.mhc_post_pre_ar(
-            partial, stream, post_mix, res_mix, *site, *eps, h
-        ),
+        "mhc_post_ar": lambda h: ops.mhc_post_ar(partial, stream, post_mix, res_mix, h),
     }
 
 
@@ -110,10 +108,7 @@ def rank_main(rank: int, store: str) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=2)
     calls = op_calls(rank)
-    comms = {}
-    for name in calls:
-        os.environ["SPK_TP_PUSH"] = "0" if name.endswith(":pulled") else "1"
-        comms[name] = Communicator(max_tokens=T, hidden_size=D)
+    comms = {name: Communicator(max_tokens=T, hidden_size=D) for name in calls}
     if any(c.backend != "lsa" for c in comms.values()):
         print(f"SKIP: backend {comms['sp_all_gather'].backend}: the barriers are lsa's", flush=True)
         os._exit(0)

@@ -108,7 +108,7 @@ inline cudaError_t launch_collapse(const TileArgs& a, cudaStream_t stream) {
 // Launches: every kernel (pass 1, pass 2, the copy-in kernel; mhc_post's row kernel) as a
 // programmatic dependent of the kernel before it (pdl.cuh). Barriers: pass 1 uses indices
 // [0, slices * groups * parts) <= max_ctas, pass 2 index 0 (its last CTA), the copy-in kernel
-// [0, grid) <= max_ctas; kPushed none (its pass 1 CTAs, all resident, wait for the peers' rows).
+// [0, grid) <= max_ctas; a pushed post none (its CTAs, all resident, wait for the peers' rows).
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kGather>
 inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   const int T = a.num_tokens, D = a.hidden;
@@ -121,8 +121,7 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
     }
   }
   cudaError_t e;
-  if constexpr (kSrc != YSrc::kPushed)  // (the fused ops pass the communicator's cap)
-    if (max_ctas <= 0 && (e = rows_max_ctas<kSrc, kPost, kPre, kHead>(D, &max_ctas)) != cudaSuccess) return e;
+  if (max_ctas <= 0 && (e = rows_max_ctas<kSrc, kPost, kPre, kHead>(D, &max_ctas)) != cudaSuccess) return e;
   const int num_tiles = (T + kTileTokens - 1) / kTileTokens;
   a.slices = row_slices(D);
   a.groups = max_ctas / a.slices < 1 ? 1 : max_ctas / a.slices < num_tiles ? max_ctas / a.slices : num_tiles;
@@ -136,9 +135,7 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   const bool staged = kPre && rows_staged(num_tiles, a.groups);
   void (*rows)(TileArgs) = mhc_rows_kernel<kSrc, kPost, kPre, kHead, FnSrc::kGlobal>;
   if constexpr (kPre) {
-    // kPushed runs at T <= kPushMaxTokens, at most 8 tiles: one per CTA at every D (max_ctas / S >= 8).
-    if constexpr (kSrc != YSrc::kPushed)
-      if (staged) rows = mhc_rows_kernel<kSrc, kPost, kPre, kHead, FnSrc::kShared>;
+    if (staged) rows = mhc_rows_kernel<kSrc, kPost, kPre, kHead, FnSrc::kShared>;
     if constexpr (kParts > 1)
       if (a.parts > 1) rows = mhc_rows_kernel<kSrc, kPost, kPre, kHead, FnSrc::kParts>;
   }

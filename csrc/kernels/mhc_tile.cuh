@@ -31,7 +31,7 @@
 namespace spk {
 
 // Where a post's y comes from: none (a pre alone), a local tensor, the sum of every peer's partial
-// rows pulled over NVLink after an entry barrier (kPeers), or the TP boundary at decode sizes
+// rows pulled over NVLink after an entry barrier (kPeers), or mhc_post_ar at decode sizes
 // (kPushed): each rank stores its own partial rows into every peer's push region, and a row's
 // reader polls its region until the rows are there (protocol at PushArgs).
 enum class YSrc : int { kNone, kLocal, kPeers, kPushed };
@@ -46,24 +46,25 @@ constexpr int kRowsCtasPerSm = 2;
 // each load (SASS of 3ab923e).
 enum class FnSrc : int { kGlobal, kShared, kParts };
 
-// The pushed TP ops (YSrc::kPushed: mhc_post_pre_ar and mhc_post_ar at T <= PushArgs::rows): no
-// barrier. Push region of rank r: [2 slots][world senders][rows][D] bf16, every element the
-// sentinel 0x8000 (-0.0) unless a value is in flight. A call uses slot `calls & 1`. Pass 1: the
-// CTAs of a (tile, slice) (its parts, a share of the rows each) load its vectors of this rank's
-// partial, turn -0.0 into +0.0 (the sum starts at +0.0, so its bits do not change) and store
-// them at [slot][rank] in every peer's region; every part then polls [slot][peer] of its own region until no lane is
-// the sentinel, and sums the rows in rank order as kPeers does. The own partial is read where the caller has it
-// (TileArgs::y), not from the window: no staging copy. Each pass-1 CTA then takes a ticket; the last one resets it and
-// increments `calls` (every CTA has read it by then). The sentinel goes back over the call's rows once nobody reads
-// them any more: at once by the one reader of a vector in a post alone; in pass 2 (pass 1 complete) for a post_pre,
-// whose split pass 1 has three readers per vector. A peer writes a slot again two pushed calls later, after it read
-// this rank's rows of the call in between, which this rank pushed only after this call's kernels completed: so the slot
-// is clear by then. Nobody reads this rank's partial region remotely, so the exit barrier goes too.
+// The pushed TP op (YSrc::kPushed: mhc_post_ar at T <= PushArgs::rows): no barrier. Push region
+// of rank r: [2 slots][world senders][rows][D] bf16, every element the sentinel 0x8000 (-0.0)
+// unless a value is in flight. A call uses slot `calls & 1`. Each CTA loads its rows of this
+// rank's partial, turns -0.0 into +0.0 (the sum starts at +0.0, so its bits do not change) and
+// stores them at [slot][rank] in every peer's region; it then polls [slot][peer] of its own
+// region until no lane is the sentinel, sums the rows in rank order as kPeers does, and puts the
+// sentinel back at once (it is the vector's only reader). The own partial is read where the caller
+// has it (TileArgs::y), not from the window: no staging copy. Each CTA then takes a ticket; the
+// last one resets it and increments `calls` (every CTA has read it by then). A peer writes a slot
+// again two pushed calls later, after it read this rank's rows of the call in between, which this
+// rank pushed only after this call's kernel completed: so the slot is clear by then. Nobody reads
+// this rank's partial region remotely, so there is no exit barrier either. (mhc_post_pre_ar pushed
+// the same way, its pass 2 clearing the slot, was 0-16% slower than pulled at T <= 128 and its
+// :plain form at most 10% faster: bench/results/ab_tppush_2026-11-30.txt.)
 struct PushArgs {
   size_t offset;     // bytes: this rank's push region of the window
   int rows;          // rows per (slot, sender)
-  uint32_t* calls;   // local: pushed calls so far; null: not a pushed call (pass 2 clears nothing)
-  uint32_t* ticket;  // local: pass-1 CTAs done reading `calls` in this call
+  uint32_t* calls;   // local: pushed calls so far
+  uint32_t* ticket;  // local: CTAs done reading `calls` in this call
 };
 
 struct LsaArgs {
@@ -218,7 +219,7 @@ __device__ __forceinline__ uint4 ld_volatile(const uint4* p) {
   return v;
 }
 
-// The end of a pushed pass 1 (PushArgs): the last CTA to take a ticket, when every CTA has read
+// The end of a pushed post (PushArgs): the last CTA to take a ticket, when every CTA has read
 // `calls`, moves the next call to the other slot.
 __device__ __forceinline__ void push_ticket(const TileArgs& a) {
   __syncthreads();  // every thread of the CTA has read `calls`
@@ -329,12 +330,12 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
       };
       uint4 mine[2];                          // kPushed: this rank's own partial vectors of tokens g and g + 8
       if constexpr (kSrc == YSrc::kPushed) {  // the rows out first, before the mixes' barrier
-        // The (tile, slice)'s rows of this rank's partial into every peer's push region, dealt
-        // round the parts by row, a warp per run of 32 vectors of a row: whole 128-byte lines
-        // over NVLink, where the tile layout would store 64-byte pieces of 8 rows.
-        const int rows = min(kTileTokens, T - row_base), mine_rows = (rows - part + parts - 1) / parts;
-        for (int i = tid; i < mine_rows * W; i += kThreads) {
-          const int row = row_base + part + parts * (i / W), v = i % W;
+        // The (tile, slice)'s rows of this rank's partial into every peer's push region, a warp
+        // per run of 32 vectors of a row: whole 128-byte lines over NVLink, where the tile layout
+        // would store 64-byte pieces of 8 rows.
+        const int rows = min(kTileTokens, T - row_base);
+        for (int i = tid; i < rows * W; i += kThreads) {
+          const int row = row_base + i / W, v = i % W;
           uint4 y = *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + (size_t)(v0 + v) * 8);
           y = make_uint4(no_neg_zero(y.x), no_neg_zero(y.y), no_neg_zero(y.z), no_neg_zero(y.w));
           for (int k = 0; k < a.lsa.world - 1; ++k)
@@ -410,9 +411,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
                   if (has_sentinel(pv[k]))
                     spin_until([&] { return !has_sentinel(pv[k] = ld_volatile(src[k])); }, a.lsa.barrier, blockIdx.x, p,
                                BarrierSite::kPushedRows);
-                  if constexpr (!kPre)  // the vector's only reader: clear it now (PushArgs)
-                    *const_cast<uint4*>(src[k]) =
-                        make_uint4(kPushSentinel, kPushSentinel, kPushSentinel, kPushSentinel);
+                  *const_cast<uint4*>(src[k]) =  // the vector's only reader: clear it now (PushArgs)
+                      make_uint4(kPushSentinel, kPushSentinel, kPushSentinel, kPushSentinel);
                 }
                 float f[8];
                 bf16x8_to_float(pv[k], f);
@@ -606,7 +606,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead, FnSrc kFn>
 __global__ void __launch_bounds__(kThreads, kRowsCtasPerSm) mhc_rows_kernel(const __grid_constant__ TileArgs a) {
   static_assert(kPre || kFn == FnSrc::kGlobal, "only a pre has fn");
-  static_assert(kSrc != YSrc::kPushed || kPost, "pushed rows: a TP post");
+  static_assert(kSrc != YSrc::kPushed || (kPost && !kPre), "pushed rows: a TP post alone");
   pdl_wait();
   // With a pre, the next kernel is our pass 2, which waits for this grid's completion before it
   // touches memory (pdl.cuh): letting it launch now only hides its launch latency. After the wait:
@@ -768,36 +768,17 @@ __device__ __forceinline__ bool collapse_coefficients(const TileArgs& a, int row
   return false;
 }
 
-// The pushed TP boundary's pass 2 (PushArgs), after pdl_wait(): the sentinel back over the rows
-// [0, T) of every peer in the slot pass 1 used (pass 1 has incremented `calls` since), spread over
-// the grid.
-__device__ __forceinline__ void clear_pushed(const TileArgs& a) {
-  const PushArgs& p = a.lsa.push;
-  const int world = a.lsa.world, rank = a.lsa.rank;
-  const uint32_t slot = (*p.calls + 1u) & 1u;
-  const size_t row_vecs = (size_t)a.hidden / 8, per_peer = (size_t)a.num_tokens * row_vecs;
-  uint4* region = static_cast<uint4*>(ncclGetLsaPointer(a.lsa.window, p.offset, rank));
-  const uint4 sentinel = make_uint4(kPushSentinel, kPushSentinel, kPushSentinel, kPushSentinel);
-  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (world - 1) * per_peer;
-       i += (size_t)gridDim.x * blockDim.x) {
-    const int k = (int)(i / per_peer), sender = k + (k >= rank);
-    region[((size_t)slot * world + sender) * p.rows * row_vecs + i % per_peer] = sentinel;
-  }
-}
-
 // Pass 2's prologue, shared by both kernels; false: this CTA is done. pdl_wait(): pass 1 complete
 // and its writes (ws, new_stream, barrier epochs) visible; in SP mode also the peers' previous
-// copy-in kernels have completed, so the pushes are safe ((B) in lsa_gather.cuh). Pulled TP
-// boundary: the grid's extra last CTA does the exit barrier alone (every peer has finished pass 1,
-// so nobody reads this rank's partial any more), so no row waits for the peers. After pdl_wait():
-// the peer's pass 2 arriving there implies its pass 1 completed (pdl.cuh). Pushed TP boundary:
-// every CTA clears its share of the push slot instead (clear_pushed).
+// copy-in kernels have completed, so the pushes are safe ((B) in lsa_gather.cuh). TP boundary: the
+// grid's extra last CTA does the exit barrier alone (every peer has finished pass 1, so nobody
+// reads this rank's partial any more), so no row waits for the peers. After pdl_wait(): the peer's
+// pass 2 arriving there implies its pass 1 completed (pdl.cuh).
 template <bool kGather>
 __device__ __forceinline__ bool collapse_prologue(const TileArgs& a) {
   pdl_wait();
   // In SP mode the next kernel is our copy-in kernel, which waits for this grid's completion.
   if constexpr (kGather) pdl_launch_dependents();
-  if (a.lsa.push.calls != nullptr) clear_pushed(a);
   if (a.exit_barrier && blockIdx.x == gridDim.x - 1) {  // CTA-uniform
     LsaBarrier bar(a.lsa.window, a.lsa.rank, a.lsa.world, a.lsa.barrier, 0);
     bar.sync(BarrierSite::kExit);

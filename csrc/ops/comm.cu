@@ -110,7 +110,7 @@ int64_t comm_create(int64_t handle, std::vector<int64_t> unique_id, int64_t rank
   // Every rank must launch the same fused grids (the LSA barriers pair CTAs by index), so the
   // CTA cap is the minimum over ranks.
   s->max_ctas = rank_min(*s, local_max_ctas((int)hidden_size), st);
-  // The pushed TP boundary only if every rank has it (the ranks must run the same protocol).
+  // The pushed mhc_post_ar only if every rank has it (the ranks must run the same protocol).
   const char* push_env = std::getenv("SPK_TP_PUSH");
   const bool push = push_env == nullptr || push_env[0] == '\0' || std::strcmp(push_env, "0") != 0;
   s->push_rows = rank_min(*s, push ? (int)std::min<int64_t>(max_tokens, kPushMaxTokens) : 0, st);

@@ -56,12 +56,6 @@ void set_lsa(TileArgs& a, const CommState& c, int partial_row0) {
   a.lsa.barrier = c.barrier;
 }
 
-// The pushed TP ops (T <= c.push_rows): the partial is read where it is, no staging copy.
-void set_push(TileArgs& a, const CommState& c, const Tensor& partial) {
-  a.y = cptr<__nv_bfloat16>(partial);
-  a.lsa.push = {c.push_offset(), c.push_rows, c.push_calls, c.push_ticket};
-}
-
 // The lsa path of a boundary that starts with a post: stage the partial, sum rows from
 // `partial_row0` of every peer's partial, mix them into `new_stream`.
 TileArgs lsa_post_args(const CommState& c, const Tensor& partial, const Tensor& stream, const Tensor& post_mix,
@@ -201,7 +195,8 @@ Tensor mhc_post_ar_cuda(const Tensor& partial, const Tensor& stream, const Tenso
     TileArgs a = base_tile_args(stream);
     set_post_args(a, post_mix, res_mix, new_stream);
     set_lsa(a, c, 0);
-    set_push(a, c, partial);
+    a.y = cptr<__nv_bfloat16>(partial);  // read where it is: no staging copy
+    a.lsa.push = {c.push_offset(), c.push_rows, c.push_calls, c.push_ticket};
     run_mhc<YSrc::kPushed, true, false, false, false>(a, c.max_ctas);
     return new_stream;
   }
@@ -225,21 +220,11 @@ PostPreOut mhc_post_pre_ar_cuda(const Tensor& partial, const Tensor& stream, con
     return mhc_post_pre_cuda(nccl_reduce(c, partial, stream.size(0), false), stream, post_mix, res_mix, fn, scale, base,
                              norm_weight, pre_mix_in, rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha);
   Tensor new_stream = at::empty_like(stream);
-  // Decode sizes: the pushed protocol (PushArgs in mhc_tile.cuh), which reads `partial` where it is.
-  const bool pushed = stream.size(0) <= c.push_rows;
-  TileArgs a = base_tile_args(stream);
-  set_post_args(a, post_mix, res_mix, new_stream);
-  set_lsa(a, c, 0);
+  TileArgs a = lsa_post_args(c, partial, stream, post_mix, res_mix, new_stream, 0);
   auto [li, post, res, pre] =
       set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in,
                    make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha), stream.size(0));
-  if (pushed) {
-    set_push(a, c, partial);
-    run_mhc<YSrc::kPushed, true, true, false, false>(a, c.max_ctas);
-  } else {
-    stage_partial(c, partial);
-    run_mhc<YSrc::kPeers, true, true, false, false>(a, c.max_ctas);
-  }
+  run_mhc<YSrc::kPeers, true, true, false, false>(a, c.max_ctas);
   return {new_stream, li, post, res, pre};
 }
 
