@@ -291,6 +291,65 @@ def test_gather_protocol_back_to_back(T, D):
     run_distributed(2, _gather_race_worker, T, D, backend="nccl", timeout=600)
 
 
+def _tp_push_race_worker(rank, world_size, D):
+    """The pushed mhc_post_ar's protocol (PushArgs in mhc_tile.cuh): 90 calls back to back without a
+    host sync, pushed (T <= 128: slots alternate, each vector's reader clears it) and pulled
+    (T = 200), interleaved with mhc_post_pre_ar calls (pulled: the same window's barriers and
+    partial region), the zero-copy partial rewritten right after each call, one rank lagging by a
+    varying amount before each call, must each give bitwise the result of the same call on a
+    communicator that only pulls (SPK_TP_PUSH=0), run alone between host syncs: a row read before
+    its push landed, a slot not cleared in time or a push into a slot still being read changes rows
+    or hangs (then the barrier timeout fails the test). Also: -0.0 partials (the sentinel's bits)
+    arrive as zeros."""
+    import spkernels
+
+    os.environ["SPK_FUSED"] = "1"
+    ops = torch.ops.spkernels
+    eps = (1e-6, 1e-6, 1e-6, 20, 2.0)
+    Tmax = 200
+    stream, post_mix, res_mix, site, _, partials = _gen_inputs(31, Tmax, D, rank)
+    pre_args = (site["fn"], site["scale"], site["base"], site["norm_weight"], None)
+    partials[rank][::5, ::3] = -0.0  # the sentinel's bit pattern, in every call's rows
+    sizes = (1, 8, 17, 128, Tmax, 64, 33)
+
+    def call(i, comm, buf):
+        T = sizes[i % len(sizes)]
+        part = (partials[rank][:T].float() * (1 + (i % 7) / 8)).to(torch.bfloat16)
+        if buf is not None:
+            part = buf[:T].copy_(part)
+        post = (part, stream[:T], post_mix[:T], res_mix[:T])
+        if i % 3 == 2:
+            return ops.mhc_post_pre_ar(*post, *pre_args, *eps, comm.handle)
+        return (ops.mhc_post_ar(*post, comm.handle),)
+
+    os.environ["SPK_TP_PUSH"] = "0"
+    pulled = spkernels.Communicator(max_tokens=Tmax, hidden_size=D)
+    os.environ.pop("SPK_TP_PUSH")
+    with spkernels.Communicator(max_tokens=Tmax, hidden_size=D) as comm, pulled:
+        buf = comm.partial_buffer(Tmax)
+        outs = []
+        for i in range(90):
+            if rank == i % 2:
+                torch.cuda._sleep(20_000 * (1 + i % 5))
+            outs.append(call(i, comm, buf if i % 2 else None))
+        for i in range(90):
+            torch.cuda.synchronize()
+            dist.barrier()
+            alone = call(i, pulled, None)
+            torch.cuda.synchronize()
+            for k, (got, want) in enumerate(zip(outs[i], alone, strict=True)):
+                assert torch.equal(got, want), (
+                    f"call {i} (T = {sizes[i % len(sizes)]}) output {k} differs from pulled"
+                )
+        comm.check()
+    return True
+
+
+@pytest.mark.parametrize("D", [1024, 7168])
+def test_tp_push_protocol_back_to_back(D):
+    run_distributed(2, _tp_push_race_worker, D, backend="nccl", timeout=600)
+
+
 def _link_probe_worker(rank, world_size):
     """The bench's link probe (`_lsa_link_probe`: the all-gather kernel alone, or its push twin) runs
     on every rank, names a bad byte count, leaves the gather regions usable (sp_all_gather exact

@@ -32,14 +32,15 @@ pytestmark = pytest.mark.skipif(
 TIMEOUT_S = 2.0
 DETECT_LIMIT_S = TIMEOUT_S + 10
 CLOSE_LIMIT_S = 20  # close() after a timeout aborts NCCL: it must not wait for the dead peer
-DEADLINE_S = 300  # both ranks, start to exit: imports, five NCCL communicators, four timeouts
+DEADLINE_S = 300  # both ranks, start to exit: imports, six NCCL communicators, five timeouts
 T, D = 32, 512
-# The barrier each op's kernel meets first (lsa_barrier.cuh's names).
+# The barrier (or wait) each op's kernel meets first (lsa_barrier.cuh's names).
 OPS = {
     "mhc_post_pre_rs_ag": "entry",
     "mhc_pre_ag": "gather push",
     "sp_all_gather": "gather entry",
     "mhc_post_pre_ar": "entry",
+    "mhc_post_ar": "pushed rows",  # T <= 128: no barrier, a wait for the peer's rows
 }
 
 
@@ -62,6 +63,7 @@ def op_calls(rank: int) -> dict:
         "mhc_pre_ag": lambda h: ops.mhc_pre_ag(shard(stream), *site, *eps, h),
         "sp_all_gather": lambda h: ops.sp_all_gather(shard(post_mix), T, h),
         "mhc_post_pre_ar": lambda h: ops.mhc_post_pre_ar(partial, stream, post_mix, res_mix, *site, *eps, h),
+        "mhc_post_ar": lambda h: ops.mhc_post_ar(partial, stream, post_mix, res_mix, h),
     }
 
 

@@ -22,8 +22,10 @@
 namespace spk {
 
 // Where a barrier sits (for the timeout message). kGatherPush and kGatherCopyIn: the pushed
-// all-gather of layer_input (mhc_tile.cuh, lsa_gather.cuh).
-enum class BarrierSite : int32_t { kEntry, kExit, kGatherEntry, kGatherExit, kGatherPush, kGatherCopyIn };
+// all-gather of layer_input (mhc_tile.cuh, lsa_gather.cuh). kPushedRows: not a barrier, the TP
+// boundary's wait for a peer's pushed partial rows at decode sizes (spin_until in mhc_tile.cuh's
+// pass 1, PushArgs).
+enum class BarrierSite : int32_t { kEntry, kExit, kGatherEntry, kGatherExit, kGatherPush, kGatherCopyIn, kPushedRows };
 
 inline const char* barrier_site_name(int32_t site) {
   switch ((BarrierSite)site) {
@@ -39,6 +41,8 @@ inline const char* barrier_site_name(int32_t site) {
       return "gather push";
     case BarrierSite::kGatherCopyIn:
       return "gather copy-in";
+    case BarrierSite::kPushedRows:
+      return "pushed rows";
   }
   return "unknown";
 }
@@ -67,6 +71,38 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+}
+
+// The first timeout wins the device word (atomics on device memory, unlike on mapped host
+// memory, are atomic on every platform) and fills in the host record.
+__device__ __forceinline__ void record_timeout(const BarrierArgs& args, uint32_t index, int peer, BarrierSite site) {
+  cuda::atomic_ref<uint32_t, cuda::thread_scope_device> failed(*args.failed);
+  if (failed.exchange(1, cuda::memory_order_relaxed) != 0) return;
+  BarrierError* e = args.error;
+  e->peer = peer;
+  e->cta = (int32_t)index;
+  e->site = (int32_t)site;
+  cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(e->flag).store(1, cuda::memory_order_release);
+}
+
+// Polls until done() (a wait that succeeds at once reads no clock), giving up like a barrier wait:
+// at once if a wait on the communicator already timed out, else after args.timeout_ns (recorded
+// against `peer`, `index`, `site`). Returns whether done() held.
+template <class Done>
+__device__ __forceinline__ bool spin_until(Done done, const BarrierArgs& args, uint32_t index, int peer,
+                                           BarrierSite site) {
+  if (done()) return true;
+  const uint64_t start = globaltimer_ns();
+  for (uint32_t spin = 1;; ++spin) {
+    if (done()) return true;
+    if (spin % kSpinsPerClockRead != 0) continue;
+    if (cuda::atomic_ref<uint32_t, cuda::thread_scope_device>(*args.failed).load(cuda::memory_order_relaxed))
+      return false;  // another wait already timed out: this communicator is done for
+    if (args.timeout_ns != 0 && globaltimer_ns() - start > args.timeout_ns) {
+      record_timeout(args, index, peer, site);
+      return false;
+    }
+  }
 }
 
 // One CTA's session on barrier `index`, like ncclLsaBarrierSession<ncclCoopCta>: every thread of
@@ -109,31 +145,8 @@ class LsaBarrier {
     cuda::atomic_ref<uint32_t, cuda::thread_scope_system> slot(*inbox(rank_, peer));
     const uint32_t target = epoch_ + 1;
     // Arrived once the slot is at or past the target, modulo 2^32 (epochs wrap around).
-    auto arrived = [&] { return slot.load(cuda::memory_order_acquire) - target <= UINT32_MAX >> 1; };
-    if (arrived()) return;
-    const uint64_t start = globaltimer_ns();
-    for (uint32_t spin = 1;; ++spin) {
-      if (arrived()) return;
-      if (spin % kSpinsPerClockRead != 0) continue;
-      if (cuda::atomic_ref<uint32_t, cuda::thread_scope_device>(*args_.failed).load(cuda::memory_order_relaxed))
-        return;  // another wait already timed out: this communicator is done for
-      if (args_.timeout_ns != 0 && globaltimer_ns() - start > args_.timeout_ns) {
-        record_timeout(peer, site);
-        return;
-      }
-    }
-  }
-
-  // The first timeout wins the device word (atomics on device memory, unlike on mapped host
-  // memory, are atomic on every platform) and fills in the host record.
-  __device__ void record_timeout(int peer, BarrierSite site) const {
-    cuda::atomic_ref<uint32_t, cuda::thread_scope_device> failed(*args_.failed);
-    if (failed.exchange(1, cuda::memory_order_relaxed) != 0) return;
-    BarrierError* e = args_.error;
-    e->peer = peer;
-    e->cta = (int32_t)index_;
-    e->site = (int32_t)site;
-    cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(e->flag).store(1, cuda::memory_order_release);
+    spin_until([&] { return slot.load(cuda::memory_order_acquire) - target <= UINT32_MAX >> 1; }, args_, index_, peer,
+               site);
   }
 
   ncclWindow_t window_;

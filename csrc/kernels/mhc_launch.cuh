@@ -108,7 +108,7 @@ inline cudaError_t launch_collapse(const TileArgs& a, cudaStream_t stream) {
 // Launches: every kernel (pass 1, pass 2, the copy-in kernel; mhc_post's row kernel) as a
 // programmatic dependent of the kernel before it (pdl.cuh). Barriers: pass 1 uses indices
 // [0, slices * groups * parts) <= max_ctas, pass 2 index 0 (its last CTA), the copy-in kernel
-// [0, grid) <= max_ctas.
+// [0, grid) <= max_ctas; a pushed post none (its CTAs, all resident, wait for the peers' rows).
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kGather>
 inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   const int T = a.num_tokens, D = a.hidden;

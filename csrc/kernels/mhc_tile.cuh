@@ -30,7 +30,11 @@
 
 namespace spk {
 
-enum class YSrc : int { kNone, kLocal, kPeers };
+// Where a post's y comes from: none (a pre alone), a local tensor, the sum of every peer's partial
+// rows pulled over NVLink after an entry barrier (kPeers), or mhc_post_ar at decode sizes
+// (kPushed): each rank stores its own partial rows into every peer's push region, and a row's
+// reader polls its region until the rows are there (protocol at PushArgs).
+enum class YSrc : int { kNone, kLocal, kPeers, kPushed };
 
 // Pass-1 CTAs per SM (the kernel's launch bounds; a pre's 96 KB fn slice + static smem fit twice).
 constexpr int kRowsCtasPerSm = 2;
@@ -42,6 +46,27 @@ constexpr int kRowsCtasPerSm = 2;
 // each load (SASS of 3ab923e).
 enum class FnSrc : int { kGlobal, kShared, kParts };
 
+// The pushed TP op (YSrc::kPushed: mhc_post_ar at T <= PushArgs::rows): no barrier. Push region
+// of rank r: [2 slots][world senders][rows][D] bf16, every element the sentinel 0x8000 (-0.0)
+// unless a value is in flight. A call uses slot `calls & 1`. Each CTA loads its rows of this
+// rank's partial, turns -0.0 into +0.0 (the sum starts at +0.0, so its bits do not change) and
+// stores them at [slot][rank] in every peer's region; it then polls [slot][peer] of its own
+// region until no lane is the sentinel, sums the rows in rank order as kPeers does, and puts the
+// sentinel back at once (it is the vector's only reader). The own partial is read where the caller
+// has it (TileArgs::y), not from the window: no staging copy. Each CTA then takes a ticket; the
+// last one resets it and increments `calls` (every CTA has read it by then). A peer writes a slot
+// again two pushed calls later, after it read this rank's rows of the call in between, which this
+// rank pushed only after this call's kernel completed: so the slot is clear by then. Nobody reads
+// this rank's partial region remotely, so there is no exit barrier either. (mhc_post_pre_ar pushed
+// the same way, its pass 2 clearing the slot, was 0-16% slower than pulled at T <= 128 and its
+// :plain form at most 10% faster: bench/results/ab_tppush_2026-11-30.txt.)
+struct PushArgs {
+  size_t offset;     // bytes: this rank's push region of the window
+  int rows;          // rows per (slot, sender)
+  uint32_t* calls;   // local: pushed calls so far
+  uint32_t* ticket;  // local: CTAs done reading `calls` in this call
+};
+
 struct LsaArgs {
   ncclWindow_t window;
   size_t partial_offset;  // bytes: this rank's [max_tokens, D] partial region of the window
@@ -49,13 +74,14 @@ struct LsaArgs {
   int rank, world;
   int partial_row0;  // first partial row this rank reduces (SP: rank * T_local; TP: 0)
   BarrierArgs barrier;
+  PushArgs push;
 };
 
 struct TileArgs {
   int num_tokens;  // rows this rank mixes: T_local in SP mode, T otherwise
   int hidden;
   const __nv_bfloat16* stream;  // [num_tokens, 4, D]
-  const __nv_bfloat16* y;       // [num_tokens, D] (YSrc::kLocal)
+  const __nv_bfloat16* y;       // [num_tokens, D]: YSrc::kLocal's y, YSrc::kPushed's own partial
   const float* post_mix_in;     // [num_tokens, 4]
   const float* res_mix_in;      // [num_tokens, 4, 4]
   const float* fn;              // [24, 4D] ([4, 4D] for the head)
@@ -167,6 +193,43 @@ __device__ __noinline__ void stage_fn_slice_call(const TileArgs& a, int v0, int 
   stage_fn_slice<kHead>(a, v0, W, gmax);
 }
 
+// Pushed rows (PushArgs): the sentinel in both bf16 lanes of a word, -0.0 -> +0.0, and the poll.
+constexpr uint32_t kPushSentinel = 0x80008000u;
+
+__device__ __forceinline__ uint32_t no_neg_zero(uint32_t w) {
+  if ((w & 0xffffu) == 0x8000u) w &= 0xffff0000u;
+  if ((w >> 16) == 0x8000u) w &= 0x0000ffffu;
+  return w;
+}
+
+__device__ __forceinline__ bool has_sentinel(uint32_t w) { return (w & 0xffffu) == 0x8000u || (w >> 16) == 0x8000u; }
+
+__device__ __forceinline__ bool has_sentinel(const uint4& v) {
+  return has_sentinel(v.x) || has_sentinel(v.y) || has_sentinel(v.z) || has_sentinel(v.w);
+}
+
+// A load from L2 on every call (the peers' NVLink stores land there), never an L1 line. The
+// "memory" clobber keeps the compiler from moving the post's clearing store (same address) above it.
+__device__ __forceinline__ uint4 ld_volatile(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+// The end of a pushed post (PushArgs): the last CTA to take a ticket, when every CTA has read
+// `calls`, moves the next call to the other slot.
+__device__ __forceinline__ void push_ticket(const TileArgs& a) {
+  __syncthreads();  // every thread of the CTA has read `calls`
+  if (threadIdx.x != 0) return;
+  cuda::atomic_ref<uint32_t, cuda::thread_scope_device> ticket(*a.lsa.push.ticket);
+  if (ticket.fetch_add(1, cuda::memory_order_acq_rel) != gridDim.x - 1) return;
+  ticket.store(0, cuda::memory_order_relaxed);
+  *a.lsa.push.calls += 1;
+}
+
 // The post's new stream j for one 8-column vector: bf16(post[j] * y + sum_i res[i][j] * x_i), the
 // sum in stream order. mix = post[4] | res[4][4] (res[i][j] at kHC + i * kHC + j). Both post
 // kernels use it, so a row is bitwise the same whichever runs it.
@@ -206,6 +269,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
   const size_t srow = (size_t)kHC * D;
   const int vec = warp * 4 + t;  // this thread's vector of the slice (per stream)
   const size_t col = (size_t)(v0 + vec) * 8;
+  // kPushed: this call's slot (the call before incremented `calls` and has completed).
+  const uint32_t pslot = kSrc == YSrc::kPushed ? __ldcg(a.lsa.push.calls) & 1u : 0u;
 
   // ---- A: every stream load of a tile issued at once; x[h][i] = token g + 8h, stream i. A local
   // post's y rows go out with them (yr[h]), not after the barrier that stages the tile's mixes:
@@ -258,6 +323,32 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
     // pre they read before its sums' barriers (and s_red is the other buffer).
     if constexpr (!kPre) __syncthreads();
     if constexpr (kPost) {
+      // kPushed: this rank's vector `v` of row `row` in `sender`'s place of a push region (PushArgs).
+      auto push_off = [&](int sender, int row, int v) {
+        return a.lsa.push.offset +
+               ((((size_t)pslot * a.lsa.world + sender) * a.lsa.push.rows + row) * D + (size_t)(v0 + v) * 8) * 2;
+      };
+      uint4 mine[2];                          // kPushed: this rank's own partial vectors of tokens g and g + 8
+      if constexpr (kSrc == YSrc::kPushed) {  // the rows out first, before the mixes' barrier
+        // The (tile, slice)'s rows of this rank's partial into every peer's push region, a warp
+        // per run of 32 vectors of a row: whole 128-byte lines over NVLink, where the tile layout
+        // would store 64-byte pieces of 8 rows.
+        const int rows = min(kTileTokens, T - row_base);
+        for (int i = tid; i < rows * W; i += kThreads) {
+          const int row = row_base + i / W, v = i % W;
+          uint4 y = *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + (size_t)(v0 + v) * 8);
+          y = make_uint4(no_neg_zero(y.x), no_neg_zero(y.y), no_neg_zero(y.z), no_neg_zero(y.w));
+          for (int k = 0; k < a.lsa.world - 1; ++k)
+            *static_cast<uint4*>(ncclGetLsaPointer(a.lsa.window, push_off(a.lsa.rank, row, v), k + (k >= a.lsa.rank))) =
+                y;
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = row_base + g + 8 * h;
+          mine[h] = vec < W && row < T ? *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col)
+                                       : make_uint4(0, 0, 0, 0);
+        }
+      }
       for (int idx = tid; idx < kTileTokens * (kMix - kHC); idx += kThreads) {
         const int tok = idx / (kMix - kHC), c = idx % (kMix - kHC), row = row_base + tok;
         float v = 0.f;
@@ -293,6 +384,43 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
               }
             }
             y = float_to_bf16x8(yv);
+          } else if constexpr (kSrc == YSrc::kPushed) {
+            float yv[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            // Four peers' polls in flight at a time, as kPeers' loads.
+#pragma unroll
+            for (int p0 = 0; p0 < kMaxPeers; p0 += 4) {
+              if (p0 >= a.lsa.world) break;
+              const uint4* src[4];
+              uint4 pv[4];
+#pragma unroll
+              for (int k = 0; k < 4; ++k) {
+                const int p = p0 + k;
+                if (p < a.lsa.world && p != a.lsa.rank) {
+                  src[k] =
+                      static_cast<const uint4*>(ncclGetLsaPointer(a.lsa.window, push_off(p, row, vec), a.lsa.rank));
+                  pv[k] = ld_volatile(src[k]);
+                }
+              }
+#pragma unroll
+              for (int k = 0; k < 4; ++k) {
+                const int p = p0 + k;
+                if (p >= a.lsa.world) break;
+                if (p == a.lsa.rank) {
+                  pv[k] = mine[h];
+                } else {
+                  if (has_sentinel(pv[k]))
+                    spin_until([&] { return !has_sentinel(pv[k] = ld_volatile(src[k])); }, a.lsa.barrier, blockIdx.x, p,
+                               BarrierSite::kPushedRows);
+                  *const_cast<uint4*>(src[k]) =  // the vector's only reader: clear it now (PushArgs)
+                      make_uint4(kPushSentinel, kPushSentinel, kPushSentinel, kPushSentinel);
+                }
+                float f[8];
+                bf16x8_to_float(pv[k], f);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) yv[e] += f[e];
+              }
+            }
+            y = float_to_bf16x8(yv);
           } else if constexpr (kEarlyY) {
             y = yr[h];
           } else {
@@ -305,7 +433,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
       // keeps a later load after it, and token g + 8's loads waited for them (one more round trip
       // from T = 9 on, over NVLink for the peers' partials). Where registers allow, both before
       // token g's mix; a local post_pre only after it (16 bytes spilled otherwise).
-      constexpr bool kYFirst = kSrc == YSrc::kPeers || kEarlyY;
+      constexpr bool kYFirst = kSrc == YSrc::kPeers || kSrc == YSrc::kPushed || kEarlyY;
       uint4 yb[2];
       yb[0] = fetch_y(0);
       if constexpr (kYFirst) yb[1] = fetch_y(1);
@@ -478,6 +606,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead, FnSrc kFn>
 __global__ void __launch_bounds__(kThreads, kRowsCtasPerSm) mhc_rows_kernel(const __grid_constant__ TileArgs a) {
   static_assert(kPre || kFn == FnSrc::kGlobal, "only a pre has fn");
+  static_assert(kSrc != YSrc::kPushed || (kPost && !kPre), "pushed rows: a TP post alone");
   pdl_wait();
   // With a pre, the next kernel is our pass 2, which waits for this grid's completion before it
   // touches memory (pdl.cuh): letting it launch now only hides its launch latency. After the wait:
@@ -508,6 +637,7 @@ __global__ void __launch_bounds__(kThreads, kRowsCtasPerSm) mhc_rows_kernel(cons
       }
     }
     mhc_rows<kSrc, kPost, kPre, kHead, kFn>(a);
+    if constexpr (kSrc == YSrc::kPushed) push_ticket(a);
   }
 }
 

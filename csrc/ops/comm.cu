@@ -3,8 +3,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -38,6 +40,11 @@ int rank_min(const CommState& s, int val, cudaStream_t st) {
   SPK_CUDA_CHECK(cudaFreeAsync(d_val, st));
   SPK_CUDA_CHECK(cudaStreamSynchronize(st));
   return val;
+}
+
+// Every 32-bit word of [p, p + n) = v.
+__global__ void fill_words(uint32_t* p, size_t n, uint32_t v) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) p[i] = v;
 }
 
 }  // namespace
@@ -103,25 +110,36 @@ int64_t comm_create(int64_t handle, std::vector<int64_t> unique_id, int64_t rank
   // Every rank must launch the same fused grids (the LSA barriers pair CTAs by index), so the
   // CTA cap is the minimum over ranks.
   s->max_ctas = rank_min(*s, local_max_ctas((int)hidden_size), st);
+  // The pushed mhc_post_ar only if every rank has it (the ranks must run the same protocol).
+  const char* push_env = std::getenv("SPK_TP_PUSH");
+  const bool push = push_env == nullptr || push_env[0] == '\0' || std::strcmp(push_env, "0") != 0;
+  s->push_rows = rank_min(*s, push ? (int)std::min<int64_t>(max_tokens, kPushMaxTokens) : 0, st);
 
-  s->buffer_bytes = s->inbox_offset() + s->inbox_bytes();
+  s->buffer_bytes = s->push_offset() + s->push_bytes();
   SPK_NCCL_CHECK(ncclMemAlloc(&s->buffer, s->buffer_bytes), s->comm);
   SPK_NCCL_CHECK(ncclCommWindowRegister(s->comm, s->buffer, s->buffer_bytes, &s->window, NCCL_WIN_COLL_SYMMETRIC),
                  s->comm);
   // Barrier state (lsa_barrier.cuh). ncclMemAlloc does not zero: a stale inbox word would let a
-  // wait pass early. No rank may arrive before every rank has zeroed its inbox, hence the
-  // collective after the memsets.
+  // wait pass early, as a stale push-region value would a poll. No rank may arrive or push before
+  // every rank has zeroed its inbox and filled its push region, hence the collective after them.
   BarrierArgs& b = s->barrier;
   b.inbox_offset = s->inbox_offset();
   b.timeout_ns = (uint64_t)std::ceil(barrier_timeout_s * 1e9);
   s->barrier_timeout_s = barrier_timeout_s;
-  SPK_CUDA_CHECK(cudaMalloc((void**)&b.epochs, (s->max_ctas + 1) * sizeof(uint32_t)));
+  SPK_CUDA_CHECK(cudaMalloc((void**)&b.epochs, (s->max_ctas + 3) * sizeof(uint32_t)));
   b.failed = b.epochs + s->max_ctas;
+  s->push_calls = b.epochs + s->max_ctas + 1;
+  s->push_ticket = b.epochs + s->max_ctas + 2;
   SPK_CUDA_CHECK(cudaHostAlloc((void**)&s->barrier_error, sizeof(BarrierError), cudaHostAllocMapped));
   std::memset(s->barrier_error, 0, sizeof(BarrierError));
   SPK_CUDA_CHECK(cudaHostGetDevicePointer((void**)&b.error, s->barrier_error, 0));
-  SPK_CUDA_CHECK(cudaMemsetAsync(b.epochs, 0, (s->max_ctas + 1) * sizeof(uint32_t), st));
+  SPK_CUDA_CHECK(cudaMemsetAsync(b.epochs, 0, (s->max_ctas + 3) * sizeof(uint32_t), st));
   SPK_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(s->buffer) + s->inbox_offset(), 0, s->inbox_bytes(), st));
+  if (s->push_rows > 0) {  // every element of the push region the sentinel (PushArgs)
+    fill_words<<<256, 256, 0, st>>>(reinterpret_cast<uint32_t*>(static_cast<char*>(s->buffer) + s->push_offset()),
+                                    s->push_bytes() / 4, kPushSentinel);
+    SPK_CUDA_CHECK(cudaGetLastError());
+  }
   rank_min(*s, 0, st);
 
   ncclDevCommRequirements reqs;

@@ -11,6 +11,10 @@
 
 namespace spk {
 
+// mhc_post_ar pushes its partial rows up to this T (decode; above, the entry barrier and pulls).
+// SPK_TP_PUSH=0 at Communicator creation turns it off.
+constexpr int kPushMaxTokens = 128;
+
 struct CommState {
   int64_t handle = 0;
   int rank = 0, world = 1, device = 0;
@@ -23,8 +27,10 @@ struct CommState {
   ncclWindow_t window = nullptr;
   ncclDevComm dev_comm = {};
   bool has_dev_comm = false;
-  double barrier_timeout_s = 0;           // SPK_BARRIER_TIMEOUT; 0: the barriers wait forever
-  BarrierArgs barrier = {};               // epochs and `failed`: one device allocation
+  double barrier_timeout_s = 0;  // SPK_BARRIER_TIMEOUT; 0: the barriers wait forever
+  BarrierArgs barrier = {};      // epochs, `failed`, push_calls and push_ticket: one device allocation
+  int push_rows = 0;             // the pushed mhc_post_ar up to this T (0: off; PushArgs)
+  uint32_t *push_calls = nullptr, *push_ticket = nullptr;
   BarrierError* barrier_error = nullptr;  // host side of barrier.error (pinned, mapped)
 
   size_t region_bytes() const { return (size_t)max_tokens * hidden * 2; }
@@ -34,6 +40,9 @@ struct CommState {
   size_t gather_offset() const { return region_bytes(); }
   size_t inbox_offset() const { return 2 * region_bytes(); }
   size_t inbox_bytes() const { return (size_t)max_ctas * kMaxPeers * sizeof(uint32_t); }
+  // The pushed mhc_post_ar's two slots of every sender's rows (PushArgs in mhc_tile.cuh).
+  size_t push_offset() const { return (inbox_offset() + inbox_bytes() + 15) / 16 * 16; }
+  size_t push_bytes() const { return (size_t)2 * world * push_rows * hidden * 2; }
 };
 
 // Throws a RuntimeError naming the handle if it is not an open CUDA communicator.

@@ -191,6 +191,15 @@ Tensor mhc_post_ar_cuda(const Tensor& partial, const Tensor& stream, const Tenso
   const c10::cuda::CUDAGuard guard(stream.device());
   if (!c.lsa) return mhc_post_cuda(nccl_reduce(c, partial, stream.size(0), false), stream, post_mix, res_mix);
   Tensor new_stream = at::empty_like(stream);
+  if (stream.size(0) <= c.push_rows) {  // decode sizes: pushed (PushArgs in mhc_tile.cuh)
+    TileArgs a = base_tile_args(stream);
+    set_post_args(a, post_mix, res_mix, new_stream);
+    set_lsa(a, c, 0);
+    a.y = cptr<__nv_bfloat16>(partial);  // read where it is: no staging copy
+    a.lsa.push = {c.push_offset(), c.push_rows, c.push_calls, c.push_ticket};
+    run_mhc<YSrc::kPushed, true, false, false, false>(a, c.max_ctas);
+    return new_stream;
+  }
   const TileArgs a = lsa_post_args(c, partial, stream, post_mix, res_mix, new_stream, 0);
   run_mhc<YSrc::kPeers, true, false, false, false>(a, c.max_ctas);
   return new_stream;

@@ -59,6 +59,10 @@ class Communicator:
     barrier and the missing rank. The communicator is then unusable: ``close()`` aborts its NCCL
     communicator (no collective teardown with a peer gone); exit the process or recreate the
     process group.
+
+    At T <= 128 ``mhc_post_ar`` meets no barrier: each rank pushes its partial rows into the peers'
+    buffers and waits (with the same timeout) for theirs. ``SPK_TP_PUSH=0`` at creation (read by
+    the C++ side; the ranks take the minimum) keeps it pulling after an entry barrier at every T.
     """
 
     def __init__(
