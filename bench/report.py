@@ -269,6 +269,7 @@ README_ROWS = (
     ("`mhc_post_pre_ar` (TP boundary)", "mhc_post_pre_ar", 8, 4096, "nccl+spkernels",
      "NCCL AR + local post_pre", "≤ 8 µs, ≥ 2×"),
     ("`mhc_post_pre_ar`", "mhc_post_pre_ar", 64, 4096, "nccl+spkernels", "same", "≤ 8 µs, ≥ 2×"),
+    ("`mhc_post_ar`", "mhc_post_ar", 8, 4096, "nccl+spkernels", "NCCL AR + local post", ""),
     ("`mhc_post_rs`", "mhc_post_rs", 8192, 4096, "nccl+spkernels", "NCCL RS + local post", ""),
     ("`sp_all_gather`", "sp_all_gather", 8192, 4096, "nccl", "NCCL all-gather", ""),
     ("`mhc_post`", "mhc_post", 8192, 4096, "compile_ref", "`torch.compile` reference", "≥ 0.8"),
