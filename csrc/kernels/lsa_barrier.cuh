@@ -22,9 +22,9 @@
 namespace spk {
 
 // Where a barrier sits (for the timeout message). kGatherPush and kGatherCopyIn: the pushed
-// all-gather of layer_input (mhc_tile.cuh, lsa_gather.cuh). kPushedRows: not a barrier, the TP
-// boundary's wait for a peer's pushed partial rows at decode sizes (spin_until in mhc_tile.cuh's
-// pass 1, PushArgs).
+// all-gather of layer_input (mhc_tile.cuh, lsa_gather.cuh). kPushedRows: not a barrier,
+// mhc_post_ar's wait for a peer's pushed partial rows at decode sizes (spin_until in mhc_tile.cuh,
+// PushArgs).
 enum class BarrierSite : int32_t { kEntry, kExit, kGatherEntry, kGatherExit, kGatherPush, kGatherCopyIn, kPushedRows };
 
 inline const char* barrier_site_name(int32_t site) {
