@@ -273,10 +273,10 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
   const uint32_t pslot = kSrc == YSrc::kPushed ? __ldcg(a.lsa.push.calls) & 1u : 0u;
 
   // ---- A: every stream load of a tile issued at once; x[h][i] = token g + 8h, stream i. A local
-  // post's y rows (a pushed post's own partial rows) go out with them (yr[h]), not after the
-  // barrier that stages the tile's mixes: at decode sizes that was a second HBM round trip per
-  // call. Not for a post_pre: its pass 1 has no registers to spare (128 with 4 bytes spilled).
-  constexpr bool kEarlyY = kPost && !kPre && (kSrc == YSrc::kLocal || kSrc == YSrc::kPushed);
+  // post's y rows go out with them (yr[h]), not after the barrier that stages the tile's mixes:
+  // at decode sizes that was a second HBM round trip per call. Not for a post_pre: its pass 1
+  // has no registers to spare (128 with 4 bytes spilled).
+  constexpr bool kEarlyY = kPost && !kPre && kSrc == YSrc::kLocal;
   uint4 x[2][kHC], yr[2];
   auto load_tile = [&](int row_base) {
 #pragma unroll
@@ -328,6 +328,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
         return a.lsa.push.offset +
                ((((size_t)pslot * a.lsa.world + sender) * a.lsa.push.rows + row) * D + (size_t)(v0 + v) * 8) * 2;
       };
+      uint4 mine[2];                          // kPushed: this rank's own partial vectors of tokens g and g + 8
       if constexpr (kSrc == YSrc::kPushed) {  // the rows out first, before the mixes' barrier
         // The (tile, slice)'s rows of this rank's partial into every peer's push region, a warp
         // per run of 32 vectors of a row: whole 128-byte lines over NVLink, where the tile layout
@@ -340,6 +341,12 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
           for (int k = 0; k < a.lsa.world - 1; ++k)
             *static_cast<uint4*>(ncclGetLsaPointer(a.lsa.window, push_off(a.lsa.rank, row, v), k + (k >= a.lsa.rank))) =
                 y;
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = row_base + g + 8 * h;
+          mine[h] = vec < W && row < T ? *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col)
+                                       : make_uint4(0, 0, 0, 0);
         }
       }
       for (int idx = tid; idx < kTileTokens * (kMix - kHC); idx += kThreads) {
@@ -399,7 +406,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
                 const int p = p0 + k;
                 if (p >= a.lsa.world) break;
                 if (p == a.lsa.rank) {
-                  pv[k] = yr[h];  // this rank's own partial (kEarlyY)
+                  pv[k] = mine[h];
                 } else {
                   if (has_sentinel(pv[k]))
                     spin_until([&] { return !has_sentinel(pv[k] = ld_volatile(src[k])); }, a.lsa.barrier, blockIdx.x, p,
@@ -426,7 +433,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
       // keeps a later load after it, and token g + 8's loads waited for them (one more round trip
       // from T = 9 on, over NVLink for the peers' partials). Where registers allow, both before
       // token g's mix; a local post_pre only after it (16 bytes spilled otherwise).
-      constexpr bool kYFirst = kSrc == YSrc::kPeers || kEarlyY;
+      constexpr bool kYFirst = kSrc == YSrc::kPeers || kSrc == YSrc::kPushed || kEarlyY;
       uint4 yb[2];
       yb[0] = fetch_y(0);
       if constexpr (kYFirst) yb[1] = fetch_y(1);
