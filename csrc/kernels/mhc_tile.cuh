@@ -275,7 +275,9 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
   // ---- A: every stream load of a tile issued at once; x[h][i] = token g + 8h, stream i. A local
   // post's y rows go out with them (yr[h]), not after the barrier that stages the tile's mixes:
   // at decode sizes that was a second HBM round trip per call. Not for a post_pre: its pass 1
-  // has no registers to spare (128 with 4 bytes spilled).
+  // has no registers to spare (128 with 4 bytes spilled). Not for a pushed post either: its own
+  // rows there were 10-20% slower at T = 16-32 than loaded after the pushes (`mine` below;
+  // bench/results/ab_yr_2026-11-30.txt).
   constexpr bool kEarlyY = kPost && !kPre && kSrc == YSrc::kLocal;
   uint4 x[2][kHC], yr[2];
   auto load_tile = [&](int row_base) {
