@@ -1032,8 +1032,9 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
 // two-deep ring, so that no CTA-wide barrier sits between rows:
 // - the coefficient warp sums row k's partials itself (lane v < kVals: value v over the S slices in
 //   slice order, as collapse_coefficients), puts its collapse weights in s_coef[k & 1] and
-//   arrives at kBarFull + (k & 1); then computes the Sinkhorn matrix while the collapse threads
-//   work, and for row k + 2 first waits at kBarEmpty + (k & 1) until they have read the weights;
+//   arrives at kBarFull + (k & 1); for row k + 2 it first waits at kBarEmpty + (k & 1) until the
+//   collapse threads have read them. Every kQuadRows rows (and after the CTA's last) it computes
+//   their post weights and Sinkhorn matrices at once, a quad per row, while the collapse goes on;
 // - the collapse threads load row k (a pre's first row before pdl_wait, as the row kernel), take
 //   the weights, collapse, norm and store as collapse_row, and bulk-prefetch row k + 1 into L2
 //   while they wait for row k's weights.
@@ -1045,7 +1046,7 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
     mhc_collapse_loop_kernel(const __grid_constant__ TileArgs a) {
   constexpr int kRows = FnRows<kHead>::kRows, kVals = FnRows<kHead>::kVals;
   __shared__ float s_sq[kV * kCollapseThreads];
-  __shared__ float s_m[kVals];
+  __shared__ float s_m[kQuadRows][kVals];  // the coefficient warp's last rows
   __shared__ float s_coef[2][kHC];
   __shared__ float s_scale[3], s_base[kMix];
   __shared__ float s_rn;
@@ -1076,7 +1077,7 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
   if (!collapser) {  // the coefficient warp
     const int lane = tid & 31, S = a.slices;
     for (int k = 0, i = blockIdx.x; i < n; ++k, i += stride) {
-      const int row = collapse_block(a, i, n), par = k & 1;
+      const int row = collapse_block(a, i, n), par = k & 1, slot = k % kQuadRows;
       if (lane < kVals) {
         const float* p = a.ws + (size_t)row * S * kVals + lane;
         float v = 0.f;
@@ -1088,23 +1089,29 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
           for (int q = 0; q < kWsBatch; ++q)
             if (s0 + q < S) v += part[q];
         }
-        s_m[lane] = v;
+        s_m[slot][lane] = v;
       }
       __syncwarp();
-      const float rr = 1.0f / sqrtf(s_m[kRows] / (float)(kHC * D) + a.eps.rms_eps);
-      float pre = 0.f;
       if (k >= 2) bar_sync(kBarEmpty + par, kThreads);  // row k - 2's weights are read
-      if (lane < kHC) s_coef[par][lane] = pre = mhc_pre_weight(s_m, rr, s_scale, s_base, a.eps, lane);
-      bar_arrive(kBarFull + par, kThreads);
-      if (!kHead && lane < kHC) {
-        a.pre_mix[row * kHC + lane] = pre;
-        float post, res[kHC];
-        mhc_post_res_row(s_m, rr, s_scale, s_base, a.eps, lane, post, res);
-        a.post_mix[row * kHC + lane] = post;
-#pragma unroll
-        for (int j = 0; j < kHC; ++j) a.res_mix[(row * kHC + lane) * kHC + j] = res[j];
+      if (lane < kHC) {
+        const float rr = 1.0f / sqrtf(s_m[slot][kRows] / (float)(kHC * D) + a.eps.rms_eps);
+        const float pre = mhc_pre_weight(s_m[slot], rr, s_scale, s_base, a.eps, lane);
+        s_coef[par][lane] = pre;
+        if (!kHead) a.pre_mix[row * kHC + lane] = pre;
       }
-      __syncwarp();  // s_m is read
+      bar_arrive(kBarFull + par, kThreads);
+      // A pre's post weights and Sinkhorn matrices for the last kQuadRows rows at once, a quad per
+      // row (one row at a time, the 20 sweeps paced the rows).
+      if (const int r = lane >> 2; !kHead && (slot == kQuadRows - 1 || i + stride >= n) && r <= slot) {
+        const int rrow = collapse_block(a, i - (slot - r) * stride, n), q = lane & 3;
+        const float rr = 1.0f / sqrtf(s_m[r][kRows] / (float)(kHC * D) + a.eps.rms_eps);
+        float post, res[kHC];
+        mhc_post_res_row(s_m[r], rr, s_scale, s_base, a.eps, q, post, res);
+        a.post_mix[rrow * kHC + q] = post;
+#pragma unroll
+        for (int j = 0; j < kHC; ++j) a.res_mix[(rrow * kHC + q) * kHC + j] = res[j];
+      }
+      __syncwarp();  // s_m[slot] is read before the slot comes round again
     }
     return;
   }
