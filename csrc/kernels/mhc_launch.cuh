@@ -82,6 +82,27 @@ inline cudaError_t collapse_plan(const TileArgs& a, void (**row)(TileArgs), bool
   return cudaSuccess;
 }
 
+// SPK_ROW_LOOP=0: the warp kernel above the row kernel's waves (temporary A/B knob).
+inline bool row_loop_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("SPK_ROW_LOOP");
+    return v == nullptr || v[0] != '0';
+  }();
+  return on;
+}
+
+template <bool kHead, bool kGather>
+inline void (*collapse_loop_kernel(int hidden))(TileArgs) {
+  const int nvec = hidden / 8;
+  constexpr int kC = kCollapseThreads;
+  return nvec <= kC       ? mhc_collapse_loop_kernel<kHead, kGather, 1>
+         : nvec <= 2 * kC ? mhc_collapse_loop_kernel<kHead, kGather, 2>
+         : nvec <= 3 * kC ? mhc_collapse_loop_kernel<kHead, kGather, 3>
+         : nvec <= 4 * kC ? mhc_collapse_loop_kernel<kHead, kGather, 4>
+         : nvec <= 5 * kC ? mhc_collapse_loop_kernel<kHead, kGather, 5>
+                          : nullptr;
+}
+
 template <bool kHead, bool kGather>
 inline cudaError_t launch_collapse(const TileArgs& a, cudaStream_t stream) {
   const int T = a.num_tokens, D = a.hidden, extra = a.exit_barrier ? 1 : 0;
@@ -89,8 +110,17 @@ inline cudaError_t launch_collapse(const TileArgs& a, cudaStream_t stream) {
   bool by_row = false;
   if (cudaError_t e = collapse_plan<kHead, kGather>(a, &row, &by_row); e != cudaSuccess) return e;
   if (debug_enabled())
-    std::fprintf(stderr, "spkernels: collapse T=%d: %s\n", T, by_row ? "a CTA per row" : "a warp per row");
+    std::fprintf(stderr, "spkernels: collapse T=%d: %s\n", T,
+                 by_row               ? "a CTA per row"
+                 : row_loop_enabled() ? "looping row CTAs"
+                                      : "a warp per row");
   if (by_row) return launch_dependent(row, T + extra, kThreads, 0, stream, a);
+  if (!kGather && row_loop_enabled()) {  // SP's gather form spilled 48 bytes at D = 7168
+    void (*loop)(TileArgs) = collapse_loop_kernel<kHead, kGather>(D);
+    int resident = 0;
+    if (cudaError_t e = resident_ctas((const void*)loop, kThreads, 0, &resident); e != cudaSuccess) return e;
+    return launch_dependent(loop, (T < resident - extra ? T : resident - extra) + extra, kThreads, 0, stream, a);
+  }
   const size_t smem = !kHead && a.norm_weight != nullptr ? (size_t)kCollapseRows * D * 2 : 0;
   const void* kernel = (const void*)mhc_collapse_kernel<kHead, kGather>;
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);

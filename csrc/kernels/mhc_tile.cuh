@@ -703,7 +703,8 @@ static __global__ void __launch_bounds__(kPostRowThreads) mhc_post_row_kernel(co
 // rounded to bf16; a vector's 8 squares summed by fma in element order; vector v's sum added to
 // lane (v % 32)'s partial in increasing v; the 32 partials by the xor butterfly.
 
-enum : int { kBarCoef = 1, kBarNorm = 2 };  // named barriers (0 is __syncthreads)
+// Named barriers (0 is __syncthreads); kBarFull / kBarEmpty + parity: mhc_collapse_loop_kernel's ring.
+enum : int { kBarCoef = 1, kBarNorm = 2, kBarFull = 3, kBarEmpty = 5 };
 
 __device__ __forceinline__ void bar_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
@@ -1023,6 +1024,141 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
   for (int m = 0; m < kV; ++m) {
     const int v = tid + kCollapseThreads * m;
     if (v < nvec) dst.store(v, norm ? norm_vec(y[m], nw[m], rn) : y[m]);
+  }
+}
+
+// Pass 2 above the row kernel's two waves: a CTA per SM slot loops over rows i = blockIdx.x,
+// + stride, ... (collapse_block order), with the warp roles of the row kernel turned into a
+// two-deep ring, so that no CTA-wide barrier sits between rows:
+// - the coefficient warp sums row k's partials itself (lane v < kVals: value v over the S slices in
+//   slice order, as collapse_coefficients), puts its collapse weights in s_coef[k & 1] and
+//   arrives at kBarFull + (k & 1); for row k + 2 it first waits at kBarEmpty + (k & 1) until the
+//   collapse threads have read them. Every kQuadRows rows (and after the CTA's last) it computes
+//   their post weights and Sinkhorn matrices at once, a quad per row, while the collapse goes on;
+// - the collapse threads load row k (a pre's first row before pdl_wait, as the row kernel), take
+//   the weights, collapse, norm and store as collapse_row, and bulk-prefetch row k + 1 into L2
+//   while they wait for row k's weights.
+// Same sums in the same orders as both other pass-2 kernels: the same bits.
+template <bool kHead, bool kGather, int kV>
+__global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
+                                            : kV <= 4 ? 2
+                                                      : 1)
+    mhc_collapse_loop_kernel(const __grid_constant__ TileArgs a) {
+  constexpr int kRows = FnRows<kHead>::kRows, kVals = FnRows<kHead>::kVals;
+  __shared__ float s_sq[kV * kCollapseThreads];
+  __shared__ float s_m[kQuadRows][kVals];  // the coefficient warp's last rows
+  __shared__ float s_coef[2][kHC];
+  __shared__ float s_scale[3], s_base[kMix];
+  __shared__ float s_rn;
+  const int tid = threadIdx.x, D = a.hidden, nvec = D >> 3, n = a.num_tokens;
+  const int stride = gridDim.x - (a.exit_barrier ? 1 : 0);
+  const bool norm = !kHead && a.norm_weight != nullptr;
+  const bool early = a.new_stream == nullptr;
+  const __nv_bfloat16* stream = early ? a.stream : a.new_stream;
+  uint4 x[kV][kHC];
+  auto load_row = [&](int row) {
+    const uint4* src = reinterpret_cast<const uint4*>(stream + (size_t)row * kHC * D);
+#pragma unroll
+    for (int m = 0; m < kV; ++m) {
+      const int v = tid + kCollapseThreads * m;
+      if (v < nvec) {
+#pragma unroll
+        for (int i = 0; i < kHC; ++i) x[m][i] = src[(size_t)i * nvec + v];
+      }
+    }
+  };
+  const bool collapser = tid < kCollapseThreads;
+  // A pre's first row before pdl_wait (not on the TP exit-barrier CTA).
+  if (collapser && early && (int)blockIdx.x < stride && (int)blockIdx.x < n) load_row(collapse_block(a, blockIdx.x, n));
+  if (tid < FnRows<kHead>::kValid) s_base[tid] = a.base[tid];
+  if (tid < (kHead ? 1 : 3)) s_scale[tid] = a.scale[tid];
+  __syncthreads();
+  if (!collapse_prologue<kGather>(a)) return;
+  if (!collapser) {  // the coefficient warp
+    const int lane = tid & 31, S = a.slices;
+    for (int k = 0, i = blockIdx.x; i < n; ++k, i += stride) {
+      const int row = collapse_block(a, i, n), par = k & 1, slot = k % kQuadRows;
+      if (lane < kVals) {
+        const float* p = a.ws + (size_t)row * S * kVals + lane;
+        float v = 0.f;
+        for (int s0 = 0; s0 < S; s0 += kWsBatch) {
+          float part[kWsBatch];
+#pragma unroll
+          for (int q = 0; q < kWsBatch; ++q) part[q] = s0 + q < S ? p[(s0 + q) * kVals] : 0.f;
+#pragma unroll
+          for (int q = 0; q < kWsBatch; ++q)
+            if (s0 + q < S) v += part[q];
+        }
+        s_m[slot][lane] = v;
+      }
+      __syncwarp();
+      if (k >= 2) bar_sync(kBarEmpty + par, kThreads);  // row k - 2's weights are read
+      if (lane < kHC) {
+        const float rr = 1.0f / sqrtf(s_m[slot][kRows] / (float)(kHC * D) + a.eps.rms_eps);
+        const float pre = mhc_pre_weight(s_m[slot], rr, s_scale, s_base, a.eps, lane);
+        s_coef[par][lane] = pre;
+        if (!kHead) a.pre_mix[row * kHC + lane] = pre;
+      }
+      bar_arrive(kBarFull + par, kThreads);
+      // A pre's post weights and Sinkhorn matrices for the last kQuadRows rows at once, a quad per
+      // row (one row at a time, the 20 sweeps paced the rows).
+      if (const int r = lane >> 2; !kHead && (slot == kQuadRows - 1 || i + stride >= n) && r <= slot) {
+        const int rrow = collapse_block(a, i - (slot - r) * stride, n), q = lane & 3;
+        const float rr = 1.0f / sqrtf(s_m[r][kRows] / (float)(kHC * D) + a.eps.rms_eps);
+        float post, res[kHC];
+        mhc_post_res_row(s_m[r], rr, s_scale, s_base, a.eps, q, post, res);
+        a.post_mix[rrow * kHC + q] = post;
+#pragma unroll
+        for (int j = 0; j < kHC; ++j) a.res_mix[(rrow * kHC + q) * kHC + j] = res[j];
+      }
+      __syncwarp();  // s_m[slot] is read before the slot comes round again
+    }
+    return;
+  }
+  for (int k = 0, i = blockIdx.x; i < n; ++k, i += stride) {
+    const int row = collapse_block(a, i, n), par = k & 1;
+    if (k > 0 || !early) load_row(row);
+    if (const int next = i + stride; next < n && tid < kHC)  // row k + 1 into L2, a stream per thread
+      prefetch_l2(stream + ((size_t)collapse_block(a, next, n) * kHC + tid) * D, (uint32_t)D * 2);
+    bar_sync(kBarFull + par, kThreads);
+    float w[kHC];
+    collapse_weights<kHead>(a, row, s_coef[par], w);
+    if (i + 2 * stride < n) bar_arrive(kBarEmpty + par, kThreads);  // the coefficient warp waits for it at row k + 2
+    uint4 y[kV];
+#pragma unroll
+    for (int m = 0; m < kV; ++m) {
+      const int v = tid + kCollapseThreads * m;
+      if (v < nvec) {
+        float sq;
+        y[m] = collapse_vec(w, x[m], norm, sq);
+        if (norm) s_sq[v] = sq;
+      }
+    }
+    float rn = 1.f;
+    if (norm) {
+      bar_sync(kBarNorm, kCollapseThreads);
+      if (tid < 32) {
+        float ss = 0.f;
+        for (int v = tid; v < nvec; v += 32) ss += s_sq[v];
+        rn = norm_rn(ss, D, a.eps.norm_eps);
+        if (tid == 0) s_rn = rn;
+      }
+      bar_sync(kBarNorm, kCollapseThreads);
+      rn = s_rn;
+    }
+    // The norm weight only now (an L1 hit after the first row): live through the collapse, its
+    // registers spilled at D = 7168.
+    uint4 nw[kV];
+#pragma unroll
+    for (int m = 0; m < kV; ++m)
+      if (norm && tid + kCollapseThreads * m < nvec)
+        nw[m] = __ldg(reinterpret_cast<const uint4*>(a.norm_weight) + tid + kCollapseThreads * m);
+    const RowOut<kGather> dst(a, row);
+#pragma unroll
+    for (int m = 0; m < kV; ++m) {
+      const int v = tid + kCollapseThreads * m;
+      if (v < nvec) dst.store(v, norm ? norm_vec(y[m], nw[m], rn) : y[m]);
+    }
   }
 }
 
