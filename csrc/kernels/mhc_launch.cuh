@@ -57,77 +57,58 @@ inline cudaError_t rows_max_ctas(int hidden, int* out) {
 
 // Pass 2 of a pre: a CTA per row while the rows' CTAs fit on the device in kRowWaves waves (each
 // row's loads in one round, the rows side by side: ncu at D = 4096, T = 128 7.4 us, while the warp
-// kernel took 12.5 at T = 256 on a quarter of the SMs), else a warp per row (7 rows per CTA). Both
-// give the same bits (mhc_tile.cuh). With a.exit_barrier (TP) one more CTA than the rows need: it
-// does the exit barrier alone. *row: the row kernel for D (null if D > 8192: the ops check it first).
-// Two waves, not one (bench/results/ab_waves_2026-11-30.txt, T = 512: mhc_pre -9% at D = 4096 and
-// -16% at D = 7168, the head -13 / -20%, mhc_post_pre -7 / -18%); four were 6-21% slower at
-// T = 1024 than the warp kernel.
+// kernel took 12.5 at T = 256 on a quarter of the SMs); above that, a CTA per slot that loops over
+// the rows (mhc_collapse_loop_kernel; against the warp kernel on 2xH200 at T = 1024-8192:
+// mhc_pre -4-11%, mhc_post_pre -2-6%, mhc_head -3-17% to T = 4096, the TP boundary -10% at T = 528
+// and within +-4% above; bench/results/ab_rowloop_2026-11-30.txt), or for SP's gather a warp per row
+// (7 rows per CTA; its loop form spilled 48 bytes at D = 7168). All three give the same bits
+// (mhc_tile.cuh). With a.exit_barrier (TP) one more CTA than the rows need: it does the exit
+// barrier alone. Two waves, not one (bench/results/ab_waves_2026-11-30.txt, T = 512: mhc_pre -9% at
+// D = 4096 and -16% at D = 7168, the head -13 / -20%, mhc_post_pre -7 / -18%); four were 6-21%
+// slower at T = 1024 than the warp kernel.
 constexpr int kRowWaves = 2;
 
-template <bool kHead, bool kGather>
-inline cudaError_t collapse_plan(const TileArgs& a, void (**row)(TileArgs), bool* by_row) {
-  const int nvec = a.hidden / 8, extra = a.exit_barrier ? 1 : 0;
-  constexpr int kC = kCollapseThreads;
-  *row = nvec <= kC       ? mhc_collapse_row_kernel<kHead, kGather, 1>
-         : nvec <= 2 * kC ? mhc_collapse_row_kernel<kHead, kGather, 2>
-         : nvec <= 3 * kC ? mhc_collapse_row_kernel<kHead, kGather, 3>
-         : nvec <= 4 * kC ? mhc_collapse_row_kernel<kHead, kGather, 4>
-         : nvec <= 5 * kC ? mhc_collapse_row_kernel<kHead, kGather, 5>
-                          : nullptr;
-  int resident = 0;
-  if (*row == nullptr) return cudaErrorInvalidValue;
-  if (cudaError_t e = resident_ctas((const void*)*row, kThreads, 0, &resident); e != cudaSuccess) return e;
-  *by_row = a.num_tokens + extra <= kRowWaves * resident;
-  return cudaSuccess;
-}
-
-// SPK_ROW_LOOP=0: the warp kernel above the row kernel's waves (temporary A/B knob).
-inline bool row_loop_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("SPK_ROW_LOOP");
-    return v == nullptr || v[0] != '0';
-  }();
-  return on;
-}
-
-template <bool kHead, bool kGather>
-inline void (*collapse_loop_kernel(int hidden))(TileArgs) {
-  const int nvec = hidden / 8;
-  constexpr int kC = kCollapseThreads;
-  return nvec <= kC       ? mhc_collapse_loop_kernel<kHead, kGather, 1>
-         : nvec <= 2 * kC ? mhc_collapse_loop_kernel<kHead, kGather, 2>
-         : nvec <= 3 * kC ? mhc_collapse_loop_kernel<kHead, kGather, 3>
-         : nvec <= 4 * kC ? mhc_collapse_loop_kernel<kHead, kGather, 4>
-         : nvec <= 5 * kC ? mhc_collapse_loop_kernel<kHead, kGather, 5>
-                          : nullptr;
+// One of a kernel's five instantiations by kV, the 16-byte vectors per collapse thread (kV * 224 >=
+// D / 8); null past D = 8192 (the ops check D first).
+using CollapseKernel = void (*)(TileArgs);
+inline CollapseKernel by_vectors(int hidden, const CollapseKernel (&by_kv)[5]) {
+  const int kv = (hidden / 8 + kCollapseThreads - 1) / kCollapseThreads;
+  return kv >= 1 && kv <= 5 ? by_kv[kv - 1] : nullptr;
 }
 
 template <bool kHead, bool kGather>
 inline cudaError_t launch_collapse(const TileArgs& a, cudaStream_t stream) {
   const int T = a.num_tokens, D = a.hidden, extra = a.exit_barrier ? 1 : 0;
-  void (*row)(TileArgs) = nullptr;
-  bool by_row = false;
-  if (cudaError_t e = collapse_plan<kHead, kGather>(a, &row, &by_row); e != cudaSuccess) return e;
+  const CollapseKernel row =
+      by_vectors(D, {mhc_collapse_row_kernel<kHead, kGather, 1>, mhc_collapse_row_kernel<kHead, kGather, 2>,
+                     mhc_collapse_row_kernel<kHead, kGather, 3>, mhc_collapse_row_kernel<kHead, kGather, 4>,
+                     mhc_collapse_row_kernel<kHead, kGather, 5>});
+  int resident = 0;
+  if (row == nullptr) return cudaErrorInvalidValue;
+  if (cudaError_t e = resident_ctas((const void*)row, kThreads, 0, &resident); e != cudaSuccess) return e;
+  const bool by_row = T + extra <= kRowWaves * resident;
   if (debug_enabled())
     std::fprintf(stderr, "spkernels: collapse T=%d: %s\n", T,
-                 by_row               ? "a CTA per row"
-                 : row_loop_enabled() ? "looping row CTAs"
-                                      : "a warp per row");
+                 by_row    ? "a CTA per row"
+                 : kGather ? "a warp per row"
+                           : "looping row CTAs");
   if (by_row) return launch_dependent(row, T + extra, kThreads, 0, stream, a);
-  if (!kGather && row_loop_enabled()) {  // SP's gather form spilled 48 bytes at D = 7168
-    void (*loop)(TileArgs) = collapse_loop_kernel<kHead, kGather>(D);
-    int resident = 0;
+  if constexpr (!kGather) {
+    const CollapseKernel loop =
+        by_vectors(D, {mhc_collapse_loop_kernel<kHead, kGather, 1>, mhc_collapse_loop_kernel<kHead, kGather, 2>,
+                       mhc_collapse_loop_kernel<kHead, kGather, 3>, mhc_collapse_loop_kernel<kHead, kGather, 4>,
+                       mhc_collapse_loop_kernel<kHead, kGather, 5>});
     if (cudaError_t e = resident_ctas((const void*)loop, kThreads, 0, &resident); e != cudaSuccess) return e;
     return launch_dependent(loop, (T < resident - extra ? T : resident - extra) + extra, kThreads, 0, stream, a);
+  } else {
+    const size_t smem = !kHead && a.norm_weight != nullptr ? (size_t)kCollapseRows * D * 2 : 0;
+    const void* kernel = (const void*)mhc_collapse_kernel<kHead, kGather>;
+    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        e != cudaSuccess)
+      return e;
+    return launch_dependent(mhc_collapse_kernel<kHead, kGather>, (T + kCollapseRows - 1) / kCollapseRows + extra,
+                            kThreads, smem, stream, a);
   }
-  const size_t smem = !kHead && a.norm_weight != nullptr ? (size_t)kCollapseRows * D * 2 : 0;
-  const void* kernel = (const void*)mhc_collapse_kernel<kHead, kGather>;
-  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-      e != cudaSuccess)
-    return e;
-  return launch_dependent(mhc_collapse_kernel<kHead, kGather>, (T + kCollapseRows - 1) / kCollapseRows + extra,
-                          kThreads, smem, stream, a);
 }
 
 // The whole op: pass 1, pass 2 for a pre, and in SP mode the copy-in kernel that completes the

@@ -11,8 +11,9 @@
 //       (and NVLink) speed. At decode sizes (tiles x slices x 3 CTAs fit one per SM) CTA (g, s, p)
 //       computes only fn rows 8p..8p+7 (a = 3 parts): three times the CTAs, each loading a third
 //       of fn, with every sum bitwise unchanged (each row's mma chain is the same).
-// 2. mhc_collapse_kernel / mhc_collapse_row_kernel (pres only; 7 rows per CTA and a warp per row,
-//    or, while the rows' CTAs fit on the GPU in two waves, a CTA per row): sums each row's S
+// 2. mhc_collapse_row_kernel / mhc_collapse_loop_kernel / mhc_collapse_kernel (pres only; a CTA per
+//    row while the rows' CTAs fit on the GPU in two waves, above that a CTA per slot looping over
+//    rows, or for SP's gather 7 rows per CTA and a warp per row): sums each row's S
 //    partials in slice order, computes the coefficients on a coefficient warp (sigmoids, Sinkhorn;
 //    one quad of lanes per row; the collapse starts once the pre weights are out), collapses the stream
 //    (+ fused RMSNorm) and writes layer_input; in SP mode it also stores each row straight into
@@ -876,8 +877,8 @@ __device__ __forceinline__ int collapse_block(const TileArgs& a, int i, int n) {
   return a.new_stream == nullptr && i < n ? n - 1 - i : i;
 }
 
-// Rows [7 b, +7) with b = collapse_block(blockIdx.x), a warp per row (warps 0..6; warp 7 is the
-// coefficient warp).
+// SP's gather above the row kernel's waves: rows [7 b, +7) with b = collapse_block(blockIdx.x), a
+// warp per row (warps 0..6; warp 7 is the coefficient warp).
 // Dynamic shared memory: the rows' bf16 collapse between the two halves of the fused RMSNorm
 // (7 * D * 2 bytes), else none. A programmatic dependent launch of pass 1 (pdl.cuh's rule:
 // pdl_wait() comes first).
@@ -897,12 +898,8 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
   // load above a store that may alias it, so a plain loop waits out one memory round trip per
   // 32 vectors (at T = 8 under ncu: the head's pass 2 14.0 -> 7.6 us with the batch). The first
   // batch is loaded before the coefficients, which do not need it: the two latencies overlap.
-  // With each batch of a local pre (not the head, not SP's gather), the next batch's vectors go
-  // to L2 (lane i: stream i): a batch is loaded only once the previous one is collapsed, so it
-  // then waits on L2, not HBM. Same-run A/B (ab_p2pf_2026-11-30.txt): mhc_post_pre -1-4%,
-  // mhc_pre 0-2%; the head's pass 2 2-3% slower and the SP ops 1-3% slower at D = 7168 with it.
-  // One batch ahead, not the whole row: ~14 rows per SM in flight would prefetch more than L2
-  // holds (and evict the last tiles of pass 1 that the reversed row order reads from L2).
+  // (An L2 prefetch of the next batch helped the local pres here, p2pf, and cost SP's gather 1-3%
+  // at D = 7168: the local pres now run mhc_collapse_loop_kernel.)
   constexpr int kBatchVecs = 32 * kCollapseBatch;
   uint4 xv[kCollapseBatch][kHC];
   auto load_batch = [&](int v0) {
@@ -911,8 +908,6 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
 #pragma unroll
       for (int i = 0; i < kHC; ++i)
         if (v0 + 32 * u < nvec) xv[u][i] = src[(size_t)i * nvec + v0 + 32 * u];
-    if (const int next = v0 - lane + kBatchVecs; !kHead && !kGather && lane < kHC && next < nvec)
-      prefetch_l2(src + (size_t)lane * nvec + next, (uint32_t)min(kBatchVecs, nvec - next) * sizeof(uint4));
   };
   if (warp < kCollapseRows && row < T) load_batch(lane);
   if (!collapse_coefficients<kHead>(a, row0, kCollapseRows, s_m, s_coef) || row >= T)
@@ -951,6 +946,52 @@ __global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_con
       if (v >= nvec) break;
       dst.store(v, norm_vec(s_y[warp * nvec + v], nwv[u], rn));
     }
+  }
+}
+
+// The end of a row for the row and loop kernels' collapse threads (tid < 224; thread t owns vectors
+// t + 224 m): y = sum_i w_i x_i, the fused norm's sum through s_sq in the warp kernel's order (per-
+// vector sums, lane v % 32 partials in increasing v, the xor butterfly; named barrier kBarNorm), and
+// the stores. nw: the norm weight's vectors, or null to load them only here (the loop kernel: live
+// through the collapse, they spilled at D = 7168; an L1 hit after its first row).
+template <bool kGather, int kV>
+__device__ __forceinline__ void collapse_store(const TileArgs& a, int row, const float (&w)[kHC],
+                                               const uint4 (&x)[kV][kHC], bool norm, const uint4* nw, float* s_sq,
+                                               float* s_rn) {
+  const int tid = threadIdx.x, D = a.hidden, nvec = D >> 3;
+  uint4 y[kV];
+#pragma unroll
+  for (int m = 0; m < kV; ++m) {
+    const int v = tid + kCollapseThreads * m;
+    if (v < nvec) {
+      float sq;
+      y[m] = collapse_vec(w, x[m], norm, sq);
+      if (norm) s_sq[v] = sq;
+    }
+  }
+  float rn = 1.f;
+  uint4 nwv[kV];
+  if (norm) {  // uniform over the collapse threads
+    bar_sync(kBarNorm, kCollapseThreads);
+    if (tid < 32) {
+      float ss = 0.f;
+      for (int v = tid; v < nvec; v += 32) ss += s_sq[v];
+      rn = norm_rn(ss, D, a.eps.norm_eps);
+      if (tid == 0) *s_rn = rn;
+    }
+    bar_sync(kBarNorm, kCollapseThreads);
+    rn = *s_rn;
+#pragma unroll
+    for (int m = 0; m < kV; ++m)
+      if (tid + kCollapseThreads * m < nvec)
+        nwv[m] =
+            nw != nullptr ? nw[m] : __ldg(reinterpret_cast<const uint4*>(a.norm_weight) + tid + kCollapseThreads * m);
+  }
+  const RowOut<kGather> dst(a, row);
+#pragma unroll
+  for (int m = 0; m < kV; ++m) {
+    const int v = tid + kCollapseThreads * m;
+    if (v < nvec) dst.store(v, norm ? norm_vec(y[m], nwv[m], rn) : y[m]);
   }
 }
 
@@ -997,34 +1038,7 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
   if (!collapse_coefficients<kHead>(a, row, 1, s_m, s_coef)) return;  // the coefficient warp
   float w[kHC];
   collapse_weights<kHead>(a, row, s_coef[0], w);
-  uint4 y[kV];
-#pragma unroll
-  for (int m = 0; m < kV; ++m) {
-    const int v = tid + kCollapseThreads * m;
-    if (v < nvec) {
-      float sq;
-      y[m] = collapse_vec(w, x[m], norm, sq);
-      if (norm) s_sq[v] = sq;
-    }
-  }
-  float rn = 1.f;
-  if (norm) {  // uniform over the collapse threads (the coefficient warp is gone)
-    bar_sync(kBarNorm, kCollapseThreads);
-    if (tid < 32) {
-      float ss = 0.f;
-      for (int v = tid; v < nvec; v += 32) ss += s_sq[v];
-      rn = norm_rn(ss, D, a.eps.norm_eps);
-      if (tid == 0) s_rn = rn;
-    }
-    bar_sync(kBarNorm, kCollapseThreads);
-    rn = s_rn;
-  }
-  const RowOut<kGather> dst(a, row);
-#pragma unroll
-  for (int m = 0; m < kV; ++m) {
-    const int v = tid + kCollapseThreads * m;
-    if (v < nvec) dst.store(v, norm ? norm_vec(y[m], nw[m], rn) : y[m]);
-  }
+  collapse_store<kGather, kV>(a, row, w, x, norm, nw, s_sq, &s_rn);
 }
 
 // Pass 2 above the row kernel's two waves: a CTA per SM slot loops over rows i = blockIdx.x,
@@ -1124,41 +1138,7 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
     float w[kHC];
     collapse_weights<kHead>(a, row, s_coef[par], w);
     if (i + 2 * stride < n) bar_arrive(kBarEmpty + par, kThreads);  // the coefficient warp waits for it at row k + 2
-    uint4 y[kV];
-#pragma unroll
-    for (int m = 0; m < kV; ++m) {
-      const int v = tid + kCollapseThreads * m;
-      if (v < nvec) {
-        float sq;
-        y[m] = collapse_vec(w, x[m], norm, sq);
-        if (norm) s_sq[v] = sq;
-      }
-    }
-    float rn = 1.f;
-    if (norm) {
-      bar_sync(kBarNorm, kCollapseThreads);
-      if (tid < 32) {
-        float ss = 0.f;
-        for (int v = tid; v < nvec; v += 32) ss += s_sq[v];
-        rn = norm_rn(ss, D, a.eps.norm_eps);
-        if (tid == 0) s_rn = rn;
-      }
-      bar_sync(kBarNorm, kCollapseThreads);
-      rn = s_rn;
-    }
-    // The norm weight only now (an L1 hit after the first row): live through the collapse, its
-    // registers spilled at D = 7168.
-    uint4 nw[kV];
-#pragma unroll
-    for (int m = 0; m < kV; ++m)
-      if (norm && tid + kCollapseThreads * m < nvec)
-        nw[m] = __ldg(reinterpret_cast<const uint4*>(a.norm_weight) + tid + kCollapseThreads * m);
-    const RowOut<kGather> dst(a, row);
-#pragma unroll
-    for (int m = 0; m < kV; ++m) {
-      const int v = tid + kCollapseThreads * m;
-      if (v < nvec) dst.store(v, norm ? norm_vec(y[m], nw[m], rn) : y[m]);
-    }
+    collapse_store<kGather, kV>(a, row, w, x, norm, nullptr, s_sq, &s_rn);
   }
 }
 
