@@ -59,9 +59,9 @@ inline cudaError_t rows_max_ctas(int hidden, int* out) {
 // row's loads in one round, the rows side by side: ncu at D = 4096, T = 128 7.4 us, while the warp
 // kernel took 12.5 at T = 256 on a quarter of the SMs); above that, a CTA per slot that loops over
 // the rows (mhc_collapse_loop_kernel; against the warp kernel on 2xH200 at T = 1024-8192:
-// mhc_pre -4-11%, mhc_post_pre -2-6%, mhc_head -3-17% to T = 4096, the TP boundary -10% at T = 528
-// and within +-4% above; bench/results/ab_rowloop_2026-11-30.txt), or for SP's gather a warp per row
-// (7 rows per CTA; its loop form spilled 48 bytes at D = 7168). All three give the same bits
+// mhc_pre -4-11%, mhc_post_pre -1-6%, mhc_head -1-17% to T = 4096 (+0-2% at 8192), the TP boundary
+// -10% at T = 528 and -6% to +4% above; bench/results/ab_rowloop_2026-11-30.txt), or for SP's
+// gather a warp per row (7 rows per CTA; its loop form spilled 48 bytes at D = 7168). All three give the same bits
 // (mhc_tile.cuh). With a.exit_barrier (TP) one more CTA than the rows need: it does the exit
 // barrier alone. Two waves, not one (bench/results/ab_waves_2026-11-30.txt, T = 512: mhc_pre -9% at
 // D = 4096 and -16% at D = 7168, the head -13 / -20%, mhc_post_pre -7 / -18%); four were 6-21%
