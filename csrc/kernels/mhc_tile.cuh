@@ -714,6 +714,31 @@ __device__ __forceinline__ void bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
+// Value k (an fn row's product, or kRows: the sum of squares) of `row`: its S workspace
+// partials summed in slice order, kWsBatch loads in flight before the adds (a rolled loop would
+// wait out one round trip per slice). Every pass-2 kernel sums this way: the same bits.
+template <bool kHead>
+__device__ __forceinline__ float ws_sum(const TileArgs& a, int row, int k) {
+  constexpr int kVals = FnRows<kHead>::kVals;
+  const int S = a.slices;
+  const float* p = a.ws + (size_t)row * S * kVals + k;
+  float v = 0.f;
+  for (int s0 = 0; s0 < S; s0 += kWsBatch) {
+    float part[kWsBatch];
+#pragma unroll
+    for (int q = 0; q < kWsBatch; ++q) part[q] = s0 + q < S ? p[(s0 + q) * kVals] : 0.f;
+#pragma unroll
+    for (int q = 0; q < kWsBatch; ++q)
+      if (s0 + q < S) v += part[q];
+  }
+  return v;
+}
+
+// The RMS factor r = 1 / sqrt(mean(x^2) + rms_eps) from a row's sum of squares over 4 D values.
+__device__ __forceinline__ float rms_scale(float sum_sq, const TileArgs& a) {
+  return 1.0f / sqrtf(sum_sq / (float)(kHC * a.hidden) + a.eps.rms_eps);
+}
+
 // Coefficients of rows [row0, row0 + n), 1 <= n <= 7. Every thread sums part of each row's S
 // partials (in slice order) into s_m; then the coefficient warp, a quad of lanes per row (rows
 // n..7 are zeros and write nothing to global memory), puts the collapse weights in s_coef and
@@ -726,25 +751,13 @@ __device__ __forceinline__ bool collapse_coefficients(const TileArgs& a, int row
   constexpr int kRows = FnRows<kHead>::kRows;
   constexpr int kVals = FnRows<kHead>::kVals;
   __shared__ float s_scale[3], s_base[kMix];
-  const int tid = threadIdx.x, T = a.num_tokens, S = a.slices;
+  const int tid = threadIdx.x, T = a.num_tokens;
   if (tid < FnRows<kHead>::kValid) s_base[tid] = a.base[tid];
   if (tid < (kHead ? 1 : 3)) s_scale[tid] = a.scale[tid];
   for (int idx = tid; idx < kQuadRows * kVals; idx += kThreads) {
     const int r = idx / kVals, k = idx % kVals, row = row0 + r;
     float v = 0.f;
-    if (r < n && row < T) {
-      // kWsBatch loads in flight, then the adds in slice order (a rolled loop would wait out one
-      // round trip per slice).
-      const float* p = a.ws + (size_t)row * S * kVals + k;
-      for (int s0 = 0; s0 < S; s0 += kWsBatch) {
-        float part[kWsBatch];
-#pragma unroll
-        for (int q = 0; q < kWsBatch; ++q) part[q] = s0 + q < S ? p[(s0 + q) * kVals] : 0.f;
-#pragma unroll
-        for (int q = 0; q < kWsBatch; ++q)
-          if (s0 + q < S) v += part[q];
-      }
-    }
+    if (r < n && row < T) v = ws_sum<kHead>(a, row, k);
     s_m[r][k] = v;
   }
   __syncthreads();
@@ -755,7 +768,7 @@ __device__ __forceinline__ bool collapse_coefficients(const TileArgs& a, int row
   }
   const int r = (tid - kCollapseThreads) >> 2, i = tid & 3, row = row0 + r;
   const bool out = !kHead && r < n && row < T;
-  const float rr = 1.0f / sqrtf(s_m[r][kRows] / (float)(kHC * a.hidden) + a.eps.rms_eps);
+  const float rr = rms_scale(s_m[r][kRows], a);
   const float pre = mhc_pre_weight(s_m[r], rr, s_scale, s_base, a.eps, i);
   s_coef[r][i] = pre;
   bar_arrive(kBarCoef, kThreads);
@@ -1089,26 +1102,14 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
   __syncthreads();
   if (!collapse_prologue<kGather>(a)) return;
   if (!collapser) {  // the coefficient warp
-    const int lane = tid & 31, S = a.slices;
+    const int lane = tid & 31;
     for (int k = 0, i = blockIdx.x; i < n; ++k, i += stride) {
       const int row = collapse_block(a, i, n), par = k & 1, slot = k % kQuadRows;
-      if (lane < kVals) {
-        const float* p = a.ws + (size_t)row * S * kVals + lane;
-        float v = 0.f;
-        for (int s0 = 0; s0 < S; s0 += kWsBatch) {
-          float part[kWsBatch];
-#pragma unroll
-          for (int q = 0; q < kWsBatch; ++q) part[q] = s0 + q < S ? p[(s0 + q) * kVals] : 0.f;
-#pragma unroll
-          for (int q = 0; q < kWsBatch; ++q)
-            if (s0 + q < S) v += part[q];
-        }
-        s_m[slot][lane] = v;
-      }
+      if (lane < kVals) s_m[slot][lane] = ws_sum<kHead>(a, row, lane);
       __syncwarp();
       if (k >= 2) bar_sync(kBarEmpty + par, kThreads);  // row k - 2's weights are read
       if (lane < kHC) {
-        const float rr = 1.0f / sqrtf(s_m[slot][kRows] / (float)(kHC * D) + a.eps.rms_eps);
+        const float rr = rms_scale(s_m[slot][kRows], a);
         const float pre = mhc_pre_weight(s_m[slot], rr, s_scale, s_base, a.eps, lane);
         s_coef[par][lane] = pre;
         if (!kHead) a.pre_mix[row * kHC + lane] = pre;
@@ -1118,7 +1119,7 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
       // row (one row at a time, the 20 sweeps paced the rows).
       if (const int r = lane >> 2; !kHead && (slot == kQuadRows - 1 || i + stride >= n) && r <= slot) {
         const int rrow = collapse_block(a, i - (slot - r) * stride, n), q = lane & 3;
-        const float rr = 1.0f / sqrtf(s_m[r][kRows] / (float)(kHC * D) + a.eps.rms_eps);
+        const float rr = rms_scale(s_m[r][kRows], a);
         float post, res[kHC];
         mhc_post_res_row(s_m[r], rr, s_scale, s_base, a.eps, q, post, res);
         a.post_mix[rrow * kHC + q] = post;
