@@ -135,7 +135,7 @@ if want profile && fits 90 profile; then
   # spkernels kernel's duration at T = PROFILE_T (default 8, 64, 8192; caches flushed between kernels
   # unless PROFILE_CACHE=none).
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  for spec in ${PROFILE_KERNELS:-8192:mhc_rows_kernel 8:mhc_collapse_kernel}; do
+  for spec in ${PROFILE_KERNELS:-8192:mhc_rows_kernel 8:mhc_collapse_row_kernel}; do
     [[ $spec == none ]] && continue
     T=${spec%%:*}; kernel=${spec#*:}
     echo "===== ncu --set full: $kernel at T = $T" >> "$OUT/ncu_profile.txt"

@@ -168,7 +168,7 @@ def test_chained_ops_in_a_graph(mhc, T):
     """Every op's first kernel waits on whatever kernel precedes it (a programmatic dependent
     launch): a chain of ops, each reading what the one before it wrote, right after the copies
     that bring in the inputs, replays bitwise equal to eager. T = 5: the decode kernels (the post
-    row kernel, pass 1 split over the fn rows, a CTA per row); T = 600: fn staged, a warp per row."""
+    row kernel, pass 1 split over the fn rows, a CTA per row); T = 600: fn staged, pass 2's looping row CTAs."""
     D = 4096
     stream, site, _ = inputs(mhc, T, D)
     head = to_cuda(mhc.head(D))
@@ -203,7 +203,7 @@ def test_deterministic_across_calls(mhc):
 def test_rows_do_not_depend_on_T(mhc, D):
     """A row's outputs are bitwise the same whether it comes in a decode batch (pass 1 split over
     the fn rows, pass 2 a CTA per row while the rows fit on the GPU in two waves, a post alone a
-    thread per vector) or in a large one (several tiles per CTA; pass 2 a warp per row): SP and TP
+    thread per vector) or in a large one (several tiles per CTA; pass 2 CTAs looping over rows): SP and TP
     agree, and so do padded and unpadded batches."""
     T = 4099
     stream, site, _ = inputs(mhc, T, D)

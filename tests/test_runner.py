@@ -241,7 +241,7 @@ def test_profile_coverage_counts_overlaps_once():
 
     events = [
         kernel("void spk::mhc_rows_kernel<2, true, true, false>", 0, 1000),
-        kernel("void spk::mhc_collapse_kernel<false, true>", 200, 1600),
+        kernel("void spk::mhc_collapse_loop_kernel<false, true, 3>", 200, 1600),
         kernel("nvjet_tst_128x256", 1600, 2600),
         kernel("ProfilerStep#1", 0, 5000),
         SimpleNamespace(name="aten::mm", device_type=DeviceType.CPU, time_range=None),

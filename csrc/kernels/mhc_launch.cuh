@@ -56,16 +56,17 @@ inline cudaError_t rows_max_ctas(int hidden, int* out) {
 }
 
 // Pass 2 of a pre: a CTA per row while the rows' CTAs fit on the device in kRowWaves waves (each
-// row's loads in one round, the rows side by side: ncu at D = 4096, T = 128 7.4 us, while the warp
-// kernel took 12.5 at T = 256 on a quarter of the SMs); above that, a CTA per slot that loops over
-// the rows (mhc_collapse_loop_kernel; against the warp kernel on 2xH200 at T = 1024-8192:
-// mhc_pre -4-11%, mhc_post_pre -1-6%, mhc_head -1-17% to T = 4096 (+0-2% at 8192), the TP boundary
-// -10% at T = 528 and -6% to +4% above; bench/results/ab_rowloop_2026-11-30.txt), or for SP's
-// gather a warp per row (7 rows per CTA; its loop form spilled 48 bytes at D = 7168). All three give the same bits
-// (mhc_tile.cuh). With a.exit_barrier (TP) one more CTA than the rows need: it does the exit
-// barrier alone. Two waves, not one (bench/results/ab_waves_2026-11-30.txt, T = 512: mhc_pre -9% at
-// D = 4096 and -16% at D = 7168, the head -13 / -20%, mhc_post_pre -7 / -18%); four were 6-21%
-// slower at T = 1024 than the warp kernel.
+// row's loads in one round, the rows side by side: ncu at D = 4096, T = 128 7.4 us, while the
+// former warp-per-row kernel took 12.5 at T = 256 on a quarter of the SMs); above that, a CTA per
+// slot that loops over the rows (mhc_collapse_loop_kernel). Against that warp-per-row kernel (7
+// rows per CTA) on 2xH200 at T = 1024-8192: mhc_pre -4-11%, mhc_post_pre -1-6%, mhc_head -1-17% to
+// T = 4096 (+0-2% at 8192), the TP boundary -10% at T = 528 and -6% to +4% above
+// (bench/results/ab_rowloop_2026-11-30.txt); SP's gather, its last user: mhc_pre_ag -5-10% at
+// T = 2048-8192, the fused boundary 0 to -5% (ab_rowloop_sp_2026-11-30.txt). Both kernels give the
+// same bits (mhc_tile.cuh). With a.exit_barrier (TP) one more CTA than the rows need: it does the
+// exit barrier alone. Two waves, not one (bench/results/ab_waves_2026-11-30.txt, T = 512: mhc_pre
+// -9% at D = 4096 and -16% at D = 7168, the head -13 / -20%, mhc_post_pre -7 / -18%); four were
+// 6-21% slower at T = 1024 than the warp-per-row kernel.
 constexpr int kRowWaves = 2;
 
 // One of a kernel's five instantiations by kV, the 16-byte vectors per collapse thread (kV * 224 >=
@@ -88,27 +89,14 @@ inline cudaError_t launch_collapse(const TileArgs& a, cudaStream_t stream) {
   if (cudaError_t e = resident_ctas((const void*)row, kThreads, 0, &resident); e != cudaSuccess) return e;
   const bool by_row = T + extra <= kRowWaves * resident;
   if (debug_enabled())
-    std::fprintf(stderr, "spkernels: collapse T=%d: %s\n", T,
-                 by_row    ? "a CTA per row"
-                 : kGather ? "a warp per row"
-                           : "looping row CTAs");
+    std::fprintf(stderr, "spkernels: collapse T=%d: %s\n", T, by_row ? "a CTA per row" : "looping row CTAs");
   if (by_row) return launch_dependent(row, T + extra, kThreads, 0, stream, a);
-  if constexpr (!kGather) {
-    const CollapseKernel loop =
-        by_vectors(D, {mhc_collapse_loop_kernel<kHead, kGather, 1>, mhc_collapse_loop_kernel<kHead, kGather, 2>,
-                       mhc_collapse_loop_kernel<kHead, kGather, 3>, mhc_collapse_loop_kernel<kHead, kGather, 4>,
-                       mhc_collapse_loop_kernel<kHead, kGather, 5>});
-    if (cudaError_t e = resident_ctas((const void*)loop, kThreads, 0, &resident); e != cudaSuccess) return e;
-    return launch_dependent(loop, (T < resident - extra ? T : resident - extra) + extra, kThreads, 0, stream, a);
-  } else {
-    const size_t smem = !kHead && a.norm_weight != nullptr ? (size_t)kCollapseRows * D * 2 : 0;
-    const void* kernel = (const void*)mhc_collapse_kernel<kHead, kGather>;
-    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-        e != cudaSuccess)
-      return e;
-    return launch_dependent(mhc_collapse_kernel<kHead, kGather>, (T + kCollapseRows - 1) / kCollapseRows + extra,
-                            kThreads, smem, stream, a);
-  }
+  const CollapseKernel loop =
+      by_vectors(D, {mhc_collapse_loop_kernel<kHead, kGather, 1>, mhc_collapse_loop_kernel<kHead, kGather, 2>,
+                     mhc_collapse_loop_kernel<kHead, kGather, 3>, mhc_collapse_loop_kernel<kHead, kGather, 4>,
+                     mhc_collapse_loop_kernel<kHead, kGather, 5>});
+  if (cudaError_t e = resident_ctas((const void*)loop, kThreads, 0, &resident); e != cudaSuccess) return e;
+  return launch_dependent(loop, (T < resident - extra ? T : resident - extra) + extra, kThreads, 0, stream, a);
 }
 
 // The whole op: pass 1, pass 2 for a pre, and in SP mode the copy-in kernel that completes the

@@ -11,9 +11,8 @@
 //       (and NVLink) speed. At decode sizes (tiles x slices x 3 CTAs fit one per SM) CTA (g, s, p)
 //       computes only fn rows 8p..8p+7 (a = 3 parts): three times the CTAs, each loading a third
 //       of fn, with every sum bitwise unchanged (each row's mma chain is the same).
-// 2. mhc_collapse_row_kernel / mhc_collapse_loop_kernel / mhc_collapse_kernel (pres only; a CTA per
-//    row while the rows' CTAs fit on the GPU in two waves, above that a CTA per slot looping over
-//    rows, or for SP's gather 7 rows per CTA and a warp per row): sums each row's S
+// 2. mhc_collapse_row_kernel / mhc_collapse_loop_kernel (pres only; a CTA per row while the rows'
+//    CTAs fit on the GPU in two waves, above that a CTA per SM slot looping over rows): sums each row's S
 //    partials in slice order, computes the coefficients on a coefficient warp (sigmoids, Sinkhorn;
 //    one quad of lanes per row; the collapse starts once the pre weights are out), collapses the stream
 //    (+ fused RMSNorm) and writes layer_input; in SP mode it also stores each row straight into
@@ -113,12 +112,10 @@ struct FnRows {
   static constexpr int kVals = kRows + 1;
 };
 
-constexpr int kSliceVecs = 32;                        // 16-byte vectors per stream in a slice: one group of 4 per warp
-constexpr int kCollapseRows = kWarps - 1;             // pass 2: one warp per row, and the coefficient warp
-constexpr int kCollapseThreads = kCollapseRows * 32;  // pass 2's collapse threads (warps 0..6)
-constexpr int kQuadRows = 8;                          // rows of the coefficient warp's quads
-constexpr int kWsBatch = 16;                          // pass 2: workspace partials loaded at once per value
-constexpr int kCollapseBatch = 4;                     // pass 2: 16-byte vectors per lane and stream loaded at once
+constexpr int kSliceVecs = 32;                       // 16-byte vectors per stream in a slice: one group of 4 per warp
+constexpr int kCollapseThreads = (kWarps - 1) * 32;  // pass 2's collapse threads (warps 0..6; 7: coefficients)
+constexpr int kQuadRows = 8;                         // rows of the coefficient warp's quads
+constexpr int kWsBatch = 16;                         // pass 2: workspace partials loaded at once per value
 
 __host__ __device__ inline int row_slices(int hidden) { return (hidden / 8 + kSliceVecs - 1) / kSliceVecs; }
 
@@ -696,10 +693,9 @@ static __global__ void __launch_bounds__(kPostRowThreads) mhc_post_row_kernel(co
 }
 
 // ---- Pass 2 (pres): coefficients, then the collapse of the stream (+ fused RMSNorm) into
-// layer_input. Two kernels with bitwise-identical rows: mhc_collapse_kernel (7 rows per CTA, a
-// warp per row; large T) and mhc_collapse_row_kernel (a CTA per row, every load of the row in one
-// round; up to a few hundred rows, where the warp-per-row kernel runs ~4 serial load rounds on
-// few CTAs).
+// layer_input. Two kernels with bitwise-identical rows: mhc_collapse_row_kernel (a CTA per row,
+// every load of the row in one round; while the rows' CTAs fit in two waves) and
+// mhc_collapse_loop_kernel (a CTA per SM slot looping over the rows; above that).
 // Rounding and summation orders shared by both: y = fma chain over the streams in stream order,
 // rounded to bf16; a vector's 8 squares summed by fma in element order; vector v's sum added to
 // lane (v % 32)'s partial in increasing v; the 32 partials by the xor butterfly.
@@ -739,48 +735,40 @@ __device__ __forceinline__ float rms_scale(float sum_sq, const TileArgs& a) {
   return 1.0f / sqrtf(sum_sq / (float)(kHC * a.hidden) + a.eps.rms_eps);
 }
 
-// Coefficients of rows [row0, row0 + n), 1 <= n <= 7. Every thread sums part of each row's S
-// partials (in slice order) into s_m; then the coefficient warp, a quad of lanes per row (rows
-// n..7 are zeros and write nothing to global memory), puts the collapse weights in s_coef and
-// releases the collapse threads (kBarCoef), and only then computes and writes a pre's post weights
-// and Sinkhorn matrix: the collapse no longer waits for the 20 Sinkhorn sweeps. Returns true on
-// the collapse threads once s_coef is ready, false on the coefficient warp when it is done.
+// Coefficients of `row` (the row kernel). Threads k < kVals sum value k's S partials (in slice
+// order, ws_sum) into s_m; then the coefficient warp (its first quad, a lane per stream) puts the
+// collapse weights in s_coef and releases the collapse threads (kBarCoef), and only then computes
+// and writes a pre's post weights and Sinkhorn matrix: the collapse does not wait for the 20
+// Sinkhorn sweeps. Returns true on the collapse threads once s_coef is ready, false on the
+// coefficient warp when it is done.
 template <bool kHead>
-__device__ __forceinline__ bool collapse_coefficients(const TileArgs& a, int row0, int n,
-                                                      float (*s_m)[FnRows<kHead>::kVals], float (*s_coef)[kHC]) {
+__device__ __forceinline__ bool collapse_coefficients(const TileArgs& a, int row, float* s_m, float* s_coef) {
   constexpr int kRows = FnRows<kHead>::kRows;
   constexpr int kVals = FnRows<kHead>::kVals;
   __shared__ float s_scale[3], s_base[kMix];
-  const int tid = threadIdx.x, T = a.num_tokens;
+  const int tid = threadIdx.x;
   if (tid < FnRows<kHead>::kValid) s_base[tid] = a.base[tid];
   if (tid < (kHead ? 1 : 3)) s_scale[tid] = a.scale[tid];
-  for (int idx = tid; idx < kQuadRows * kVals; idx += kThreads) {
-    const int r = idx / kVals, k = idx % kVals, row = row0 + r;
-    float v = 0.f;
-    if (r < n && row < T) v = ws_sum<kHead>(a, row, k);
-    s_m[r][k] = v;
-  }
+  if (tid < kVals) s_m[tid] = ws_sum<kHead>(a, row, tid);
   __syncthreads();
-  static_assert(kQuadRows * kHC == 32, "one warp of quads");
   if (tid < kCollapseThreads) {
     bar_sync(kBarCoef, kThreads);
     return true;
   }
-  const int r = (tid - kCollapseThreads) >> 2, i = tid & 3, row = row0 + r;
-  const bool out = !kHead && r < n && row < T;
-  const float rr = rms_scale(s_m[r][kRows], a);
-  const float pre = mhc_pre_weight(s_m[r], rr, s_scale, s_base, a.eps, i);
-  s_coef[r][i] = pre;
-  bar_arrive(kBarCoef, kThreads);
-  if (out) a.pre_mix[row * kHC + i] = pre;
+  const int i = tid & 3;
+  const bool quad0 = tid < kCollapseThreads + kHC;
+  const float rr = rms_scale(s_m[kRows], a);
+  const float pre = mhc_pre_weight(s_m, rr, s_scale, s_base, a.eps, i);
+  if (quad0) s_coef[i] = pre;
+  bar_arrive(kBarCoef, kThreads);  // the whole warp arrives
   if constexpr (!kHead) {
+    if (!quad0) return false;
+    a.pre_mix[row * kHC + i] = pre;
     float post, res[kHC];
-    mhc_post_res_row(s_m[r], rr, s_scale, s_base, a.eps, i, post, res);
-    if (out) {
-      a.post_mix[row * kHC + i] = post;
+    mhc_post_res_row(s_m, rr, s_scale, s_base, a.eps, i, post, res);
+    a.post_mix[row * kHC + i] = post;
 #pragma unroll
-      for (int j = 0; j < kHC; ++j) a.res_mix[(row * kHC + i) * kHC + j] = res[j];
-    }
+    for (int j = 0; j < kHC; ++j) a.res_mix[(row * kHC + i) * kHC + j] = res[j];
   }
   return false;
 }
@@ -807,31 +795,34 @@ __device__ __forceinline__ bool collapse_prologue(const TileArgs& a) {
 // Where a collapsed row goes: layer_input and, in SP mode, the same row of every peer's gather
 // region (its layer_input layout), where the peer's copy-in kernel finds it. Plain (weak) remote
 // stores: the copy-in barrier publishes them after this kernel completes ((A) in lsa_gather.cuh).
-// Unrolled over kMaxPeers, so the pointers stay in registers.
-template <bool kGather>
+// Unrolled over kMaxPeers, so the pointers stay in registers; kLazy (the loop kernel, where 7
+// pointers held through the collapse spilled 48 bytes at D = 7168): each store asks the window.
+template <bool kGather, bool kLazy = false>
 struct RowOut {
   uint4* out;
-  uint4* peer_out[kMaxPeers - 1];
+  uint4* peer_out[kLazy ? 1 : kMaxPeers - 1];
+  const TileArgs& a;
+  size_t off;  // the row's byte offset in a gather region
   int peers;
-  __device__ __forceinline__ RowOut(const TileArgs& a, int row) {
+  __device__ __forceinline__ RowOut(const TileArgs& args, int row) : a(args) {
     const size_t orow = kGather ? (size_t)a.lsa.rank * a.num_tokens + row : (size_t)row;
     out = reinterpret_cast<uint4*>(a.layer_input + orow * a.hidden);
     peers = kGather ? a.lsa.world - 1 : 0;
-    if constexpr (kGather) {
-      const size_t off = a.lsa.gather_offset + orow * a.hidden * sizeof(__nv_bfloat16);
+    off = a.lsa.gather_offset + orow * a.hidden * sizeof(__nv_bfloat16);
+    if constexpr (kGather && !kLazy) {
 #pragma unroll
-      for (int k = 0; k < kMaxPeers - 1; ++k)
-        peer_out[k] = k < peers
-                          ? static_cast<uint4*>(ncclGetLsaPointer(a.lsa.window, off, k + (k >= a.lsa.rank ? 1 : 0)))
-                          : nullptr;
+      for (int k = 0; k < kMaxPeers - 1; ++k) peer_out[k] = k < peers ? peer(k) : nullptr;
     }
+  }
+  __device__ __forceinline__ uint4* peer(int k) const {
+    return static_cast<uint4*>(ncclGetLsaPointer(a.lsa.window, off, k + (k >= a.lsa.rank ? 1 : 0)));
   }
   __device__ __forceinline__ void store(int v, const uint4& o) const {
     out[v] = o;
     if constexpr (kGather) {
 #pragma unroll
       for (int k = 0; k < kMaxPeers - 1; ++k)
-        if (k < peers) peer_out[k][v] = o;
+        if (k < peers) (kLazy ? peer(k) : peer_out[k])[v] = o;
     }
   }
 };
@@ -890,84 +881,12 @@ __device__ __forceinline__ int collapse_block(const TileArgs& a, int i, int n) {
   return a.new_stream == nullptr && i < n ? n - 1 - i : i;
 }
 
-// SP's gather above the row kernel's waves: rows [7 b, +7) with b = collapse_block(blockIdx.x), a
-// warp per row (warps 0..6; warp 7 is the coefficient warp).
-// Dynamic shared memory: the rows' bf16 collapse between the two halves of the fused RMSNorm
-// (7 * D * 2 bytes), else none. A programmatic dependent launch of pass 1 (pdl.cuh's rule:
-// pdl_wait() comes first).
-template <bool kHead, bool kGather>
-__global__ void __launch_bounds__(kThreads) mhc_collapse_kernel(const __grid_constant__ TileArgs a) {
-  extern __shared__ __align__(16) uint4 s_y[];
-  __shared__ float s_m[kQuadRows][FnRows<kHead>::kVals];
-  __shared__ float s_coef[kQuadRows][kHC];  // the collapse weights
-  if (!collapse_prologue<kGather>(a)) return;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int D = a.hidden, nvec = D >> 3, T = a.num_tokens;
-  const int row0 = collapse_block(a, blockIdx.x, (T + kCollapseRows - 1) / kCollapseRows) * kCollapseRows;
-  const int row = row0 + warp;
-  const uint4* src =
-      reinterpret_cast<const uint4*>((a.new_stream != nullptr ? a.new_stream : a.stream) + (size_t)row * kHC * D);
-  // kCollapseBatch vectors of every stream loaded before any store: the compiler cannot move a
-  // load above a store that may alias it, so a plain loop waits out one memory round trip per
-  // 32 vectors (at T = 8 under ncu: the head's pass 2 14.0 -> 7.6 us with the batch). The first
-  // batch is loaded before the coefficients, which do not need it: the two latencies overlap.
-  // (An L2 prefetch of the next batch helped the local pres here, p2pf, and cost SP's gather 1-3%
-  // at D = 7168: the local pres now run mhc_collapse_loop_kernel.)
-  constexpr int kBatchVecs = 32 * kCollapseBatch;
-  uint4 xv[kCollapseBatch][kHC];
-  auto load_batch = [&](int v0) {
-#pragma unroll
-    for (int u = 0; u < kCollapseBatch; ++u)
-#pragma unroll
-      for (int i = 0; i < kHC; ++i)
-        if (v0 + 32 * u < nvec) xv[u][i] = src[(size_t)i * nvec + v0 + 32 * u];
-  };
-  if (warp < kCollapseRows && row < T) load_batch(lane);
-  if (!collapse_coefficients<kHead>(a, row0, kCollapseRows, s_m, s_coef) || row >= T)
-    return;  // no CTA-wide synchronisation below
-  float w[kHC];
-  collapse_weights<kHead>(a, row, s_coef[warp], w);
-  const RowOut<kGather> dst(a, row);
-  const bool norm = !kHead && a.norm_weight != nullptr;
-  float ss = 0.f;
-  for (int v0 = lane; v0 < nvec; v0 += kBatchVecs) {
-    if (v0 != lane) load_batch(v0);
-#pragma unroll
-    for (int u = 0; u < kCollapseBatch; ++u) {
-      const int v = v0 + 32 * u;
-      if (v >= nvec) break;
-      float sq;
-      const uint4 yb = collapse_vec(w, xv[u], norm, sq);
-      if (norm) {
-        ss += sq;
-        s_y[warp * nvec + v] = yb;
-      } else {
-        dst.store(v, yb);
-      }
-    }
-  }
-  if (!norm) return;
-  const float rn = norm_rn(ss, D, a.eps.norm_eps);
-  for (int v0 = lane; v0 < nvec; v0 += kBatchVecs) {
-    uint4 nwv[kCollapseBatch];  // the same: every load of the batch before its stores
-#pragma unroll
-    for (int u = 0; u < kCollapseBatch; ++u)
-      if (v0 + 32 * u < nvec) nwv[u] = __ldg(reinterpret_cast<const uint4*>(a.norm_weight) + v0 + 32 * u);
-#pragma unroll
-    for (int u = 0; u < kCollapseBatch; ++u) {
-      const int v = v0 + 32 * u;
-      if (v >= nvec) break;
-      dst.store(v, norm_vec(s_y[warp * nvec + v], nwv[u], rn));
-    }
-  }
-}
-
 // The end of a row for the row and loop kernels' collapse threads (tid < 224; thread t owns vectors
-// t + 224 m): y = sum_i w_i x_i, the fused norm's sum through s_sq in the warp kernel's order (per-
+// t + 224 m): y = sum_i w_i x_i, the fused norm's sum through s_sq in a fixed order (per-
 // vector sums, lane v % 32 partials in increasing v, the xor butterfly; named barrier kBarNorm), and
 // the stores. nw: the norm weight's vectors, or null to load them only here (the loop kernel: live
 // through the collapse, they spilled at D = 7168; an L1 hit after its first row).
-template <bool kGather, int kV>
+template <bool kGather, int kV, bool kLazy = false>
 __device__ __forceinline__ void collapse_store(const TileArgs& a, int row, const float (&w)[kHC],
                                                const uint4 (&x)[kV][kHC], bool norm, const uint4* nw, float* s_sq,
                                                float* s_rn) {
@@ -1000,7 +919,7 @@ __device__ __forceinline__ void collapse_store(const TileArgs& a, int row, const
         nwv[m] =
             nw != nullptr ? nw[m] : __ldg(reinterpret_cast<const uint4*>(a.norm_weight) + tid + kCollapseThreads * m);
   }
-  const RowOut<kGather> dst(a, row);
+  const RowOut<kGather, kLazy> dst(a, row);
 #pragma unroll
   for (int m = 0; m < kV; ++m) {
     const int v = tid + kCollapseThreads * m;
@@ -1011,13 +930,13 @@ __device__ __forceinline__ void collapse_store(const TileArgs& a, int row, const
 // Row collapse_block(blockIdx.x), a CTA per row: thread t < 224 owns vectors t + 224 m
 // (m < kV, kV * 224 >= D / 8) and issues every load (the streams, the norm weight) before the
 // coefficients are known, so one memory round trip overlaps the partials' sum; warp 7 is the
-// coefficient warp. The norm's sum goes through shared memory in the warp kernel's order.
+// coefficient warp.
 template <bool kHead, bool kGather, int kV>
 __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
                                             : kV <= 4 ? 2
                                                       : 1) mhc_collapse_row_kernel(const __grid_constant__ TileArgs a) {
-  __shared__ float s_m[kQuadRows][FnRows<kHead>::kVals];
-  __shared__ float s_coef[kQuadRows][kHC];
+  __shared__ float s_m[FnRows<kHead>::kVals];
+  __shared__ float s_coef[kHC];
   __shared__ float s_sq[kV * kCollapseThreads];  // per-vector sums of squares
   __shared__ float s_rn;
   const int tid = threadIdx.x, D = a.hidden, nvec = D >> 3, row = collapse_block(a, blockIdx.x, a.num_tokens);
@@ -1048,9 +967,9 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
   }
   if (!collapse_prologue<kGather>(a)) return;
   if (collapser && !early) load_row(a.new_stream);
-  if (!collapse_coefficients<kHead>(a, row, 1, s_m, s_coef)) return;  // the coefficient warp
+  if (!collapse_coefficients<kHead>(a, row, s_m, s_coef)) return;  // the coefficient warp
   float w[kHC];
-  collapse_weights<kHead>(a, row, s_coef[0], w);
+  collapse_weights<kHead>(a, row, s_coef, w);
   collapse_store<kGather, kV>(a, row, w, x, norm, nw, s_sq, &s_rn);
 }
 
@@ -1063,9 +982,9 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
 //   collapse threads have read them. Every kQuadRows rows (and after the CTA's last) it computes
 //   their post weights and Sinkhorn matrices at once, a quad per row, while the collapse goes on;
 // - the collapse threads load row k (a pre's first row before pdl_wait, as the row kernel), take
-//   the weights, collapse, norm and store as collapse_row, and bulk-prefetch row k + 1 into L2
+//   the weights, collapse, norm and store as the row kernel (collapse_store), and bulk-prefetch row k + 1 into L2
 //   while they wait for row k's weights.
-// Same sums in the same orders as both other pass-2 kernels: the same bits.
+// Same sums in the same orders as the row kernel: the same bits.
 template <bool kHead, bool kGather, int kV>
 __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
                                             : kV <= 4 ? 2
@@ -1139,7 +1058,7 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
     float w[kHC];
     collapse_weights<kHead>(a, row, s_coef[par], w);
     if (i + 2 * stride < n) bar_arrive(kBarEmpty + par, kThreads);  // the coefficient warp waits for it at row k + 2
-    collapse_store<kGather, kV>(a, row, w, x, norm, nullptr, s_sq, &s_rn);
+    collapse_store<kGather, kV, true>(a, row, w, x, norm, nullptr, s_sq, &s_rn);
   }
 }
 
