@@ -168,7 +168,8 @@ def test_chained_ops_in_a_graph(mhc, T):
     """Every op's first kernel waits on whatever kernel precedes it (a programmatic dependent
     launch): a chain of ops, each reading what the one before it wrote, right after the copies
     that bring in the inputs, replays bitwise equal to eager. T = 5: the decode kernels (the post
-    row kernel, pass 1 split over the fn rows, a CTA per row); T = 600: fn staged, pass 2's looping row CTAs."""
+    row kernel, pass 1 split over the fn rows, a CTA per row); T = 600: fn staged, pass 2's
+    looping row CTAs."""
     D = 4096
     stream, site, _ = inputs(mhc, T, D)
     head = to_cuda(mhc.head(D))
