@@ -4,8 +4,9 @@
   ncu -i rep.ncu-rep --page source --csv --print-source sass > sass.csv
   python3 scripts/ncu_summary.py raw.csv sass.csv
 
-Prints the warp-stall reasons (cycles a warp waits per issued instruction, largest first) and the
-SASS instructions with the most stall samples, each with its leading reasons.
+Prints the busiest pipes and memory units (percent of their sustained peak), the warp-stall
+reasons (cycles a warp waits per issued instruction, largest first) and the SASS instructions
+with the most stall samples, each with its leading reasons.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ import re
 import sys
 
 STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio$")
+# A pipe's or a memory unit's load: what caps a kernel that more warps do not speed up.
+BUSY = re.compile(
+    r"^(sm__\w*pipe_\w+|(dram|lts|l1tex)__\w*throughput|l1tex__data_pipe_\w+)\.\w+\.pct_of_peak_\w+$"
+)
 
 
 def number(text: str) -> float | None:
@@ -29,19 +34,20 @@ def read_csv(path: str) -> list[list[str]]:
         return [row for row in csv.reader(f) if row]
 
 
-def stall_reasons(rows: list[list[str]]) -> list[tuple[str, float]]:
-    """(reason, warp cycles per issued instruction) from the raw page: a header row of metric
-    names, a units row, then one row per kernel (the first is reported)."""
-    header = next((r for r in rows if any(STALL.match(c) for c in r)), None)
+def metrics(rows: list[list[str]], pattern: re.Pattern) -> list[tuple[str, float]]:
+    """(name, value) of the raw page's metrics matching pattern, largest first: a header row of
+    metric names, a units row, then one row per kernel (the first is reported)."""
+    header = next((r for r in rows if any(pattern.match(c) for c in r)), None)
     if header is None:
         return []
     values = rows[rows.index(header) + 2]
-    found = []
-    for name, value in zip(header, values, strict=False):
-        m, v = STALL.match(name), number(value)
-        if m and v is not None:
-            found.append((m.group(1), v))
-    return sorted(found, key=lambda item: -item[1])
+    found = [(n, number(v)) for n, v in zip(header, values, strict=False) if pattern.match(n)]
+    return sorted(((n, v) for n, v in found if v is not None), key=lambda item: -item[1])
+
+
+def stall_reasons(rows: list[list[str]]) -> list[tuple[str, float]]:
+    """(reason, warp cycles per issued instruction), largest first."""
+    return [(STALL.match(name).group(1), v) for name, v in metrics(rows, STALL)]
 
 
 def hot_instructions(rows: list[list[str]], n: int) -> tuple[list[str], list[list[str]]]:
@@ -58,7 +64,11 @@ def hot_instructions(rows: list[list[str]], n: int) -> tuple[list[str], list[lis
 
 def main() -> None:
     raw, sass = sys.argv[1], sys.argv[2]
-    reasons = stall_reasons(read_csv(raw))
+    raw_rows = read_csv(raw)
+    print("busiest pipes and memory units (% of peak):")
+    for name, v in metrics(raw_rows, BUSY)[:20]:
+        print(f"  {name:78s} {v:6.1f}")
+    reasons = stall_reasons(raw_rows)
     total = sum(v for _, v in reasons) or 1.0
     print("warp stall reasons (warp cycles per issued instruction):")
     for name, v in reasons[:12]:
