@@ -17,9 +17,9 @@ import sys
 
 STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio$")
 # A pipe's or a memory unit's load: what caps a kernel that more warps do not speed up.
-BUSY = re.compile(
-    r"^(sm__\w*pipe_\w+|(dram|lts|l1tex)__\w*throughput|l1tex__data_pipe_\w+)\.\w+\.pct_of_peak_\w+$"
-)
+# With gpu_run.sh's `breakdown:` metrics the L2's and L1's sub-units are there too (tags, sectors,
+# crossbar ports, banks): which of them is the throughput's max.
+BUSY = re.compile(r"^(sm__\w*pipe_\w+|dram__\w*throughput|lts__\w+|l1tex__\w+)\.\w+\.pct_of_peak_\w+$")
 
 
 def number(text: str) -> float | None:
@@ -65,9 +65,12 @@ def hot_instructions(rows: list[list[str]], n: int) -> tuple[list[str], list[lis
 def main() -> None:
     raw, sass = sys.argv[1], sys.argv[2]
     raw_rows = read_csv(raw)
-    print("busiest pipes and memory units (% of peak):")
-    for name, v in metrics(raw_rows, BUSY)[:20]:
-        print(f"  {name:78s} {v:6.1f}")
+    print("busiest pipes and memory units (% of peak; each unit's largest rollup):")
+    seen = set()
+    for name, v in metrics(raw_rows, BUSY):
+        if name.split(".")[0] not in seen and ".min." not in name and len(seen) < 25:
+            seen.add(name.split(".")[0])
+            print(f"  {name:78s} {v:6.1f}")
     reasons = stall_reasons(raw_rows)
     total = sum(v for _, v in reasons) or 1.0
     print("warp stall reasons (warp cycles per issued instruction):")
