@@ -197,9 +197,11 @@ def test_ncu_summary(tmp_path):
     raw = tmp_path / "raw.csv"
     raw.write_text(
         '"ID","Kernel Name","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",'
-        '"smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","dram__bytes.sum"\n'
-        '"","","ratio","ratio","byte"\n'
-        '"0","mhc_rows_kernel","1.50","4.25","1,024"\n'
+        '"smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","dram__bytes.sum",'
+        '"lts__t_tag_requests.avg.pct_of_peak_sustained_elapsed","lts__t_tag_requests.max.pct_of_peak_sustained_elapsed",'
+        '"lts__t_sectors.min.pct_of_peak_sustained_elapsed","sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"\n'
+        '"","","ratio","ratio","byte","%","%","%","%"\n'
+        '"0","mhc_rows_kernel","1.50","4.25","1,024","80.5","88.0","99.0","35.9"\n'
     )
     sass = tmp_path / "sass.csv"
     sass.write_text(
@@ -213,7 +215,13 @@ def test_ncu_summary(tmp_path):
         [sys.executable, script, str(raw), str(sass)], capture_output=True, text=True, check=True
     ).stdout
     lines = out.splitlines()
-    assert lines[1].split()[:2] == ["long_scoreboard", "4.25"] and lines[2].split()[:2] == [
+    # each unit once, at its largest rollup; .min. rollups are not a unit's load
+    assert [ln.split() for ln in lines[1:3]] == [
+        ["lts__t_tag_requests.max.pct_of_peak_sustained_elapsed", "88.0"],
+        ["sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active", "35.9"],
+    ], out
+    assert lines[3].startswith("warp stall reasons"), out
+    assert lines[4].split()[:2] == ["long_scoreboard", "4.25"] and lines[5].split()[:2] == [
         "barrier",
         "1.50",
     ], out
