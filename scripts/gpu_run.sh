@@ -140,10 +140,15 @@ if want profile && fits 90 profile; then
     T=${spec%%:*}; kernel=${spec#*:}
     echo "===== ncu --set full: $kernel at T = $T" >> "$OUT/ncu_profile.txt"
     rep=/tmp/ncu_${kernel}_$T
-    # breakdown: the L2's and L1's throughput split by sub-unit (tags, sectors, crossbar), into the raw page
-    timeout 150 "$ncu" --clock-control none --set full --import-source yes -k "regex:$kernel" --launch-skip 1 \
-      --metrics breakdown:lts__throughput.avg.pct_of_peak_sustained_elapsed,breakdown:l1tex__throughput.avg.pct_of_peak_sustained_active \
-      --launch-count 1 -f -o "$rep" python3 scripts/profile_tile.py --T "$T" --ops pre >> "$OUT/ncu_profile.txt" 2>&1
+    # breakdown: the L2's and L1's throughput split by sub-unit (tags, sectors, crossbar), into the
+    # raw page; without it if this ncu does not take it
+    for extra in --metrics=breakdown:lts__throughput.avg.pct_of_peak_sustained_elapsed,breakdown:l1tex__throughput.avg.pct_of_peak_sustained_active ""; do
+      rm -f "$rep.ncu-rep"
+      timeout 150 "$ncu" --clock-control none --set full --import-source yes -k "regex:$kernel" --launch-skip 1 \
+        ${extra:+"$extra"} --launch-count 1 -f -o "$rep" python3 scripts/profile_tile.py --T "$T" --ops pre \
+        >> "$OUT/ncu_profile.txt" 2>&1
+      [[ -f $rep.ncu-rep ]] && break
+    done
     "$ncu" -i "$rep.ncu-rep" --page details >> "$OUT/ncu_profile.txt" 2>&1
     # Where its warps wait: stall reasons and the hottest SASS lines (both CSVs come back in ncu_csv.tgz).
     "$ncu" -i "$rep.ncu-rep" --page raw --csv > "$rep.raw.csv" 2>&1
