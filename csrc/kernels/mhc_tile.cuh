@@ -12,10 +12,10 @@
 //       computes only fn rows 8p..8p+7 (a = 3 parts): three times the CTAs, each loading a third
 //       of fn, with every sum bitwise unchanged (each row's mma chain is the same).
 // 2. mhc_collapse_row_kernel / mhc_collapse_loop_kernel (pres only; a CTA per row while the rows'
-//    CTAs fit on the GPU in two waves, above that a CTA per SM slot looping over rows): sums each row's S
-//    partials in slice order, computes the coefficients on a coefficient warp (sigmoids, Sinkhorn;
-//    one quad of lanes per row; the collapse starts once the pre weights are out), collapses the stream
-//    (+ fused RMSNorm) and writes layer_input; in SP mode it also stores each row straight into
+//    CTAs fit on the GPU in two waves, above that a CTA per SM slot looping over rows): sums each
+//    row's S partials in slice order, computes the coefficients on a coefficient warp (sigmoids,
+//    Sinkhorn; one quad of lanes per row; the collapse starts once the pre weights are out),
+//    collapses the stream (+ fused RMSNorm) and writes layer_input; in SP mode it also stores each row straight into
 //    every peer's gather region (NVLink pushes overlapping the pass's HBM work), and
 //    lsa_copy_in_kernel moves the peers' rows into layer_input (protocol in lsa_gather.cuh).
 //    Pass 2 is a programmatic dependent launch of pass 1 (pdl.cuh).
@@ -982,8 +982,8 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
 //   collapse threads have read them. Every kQuadRows rows (and after the CTA's last) it computes
 //   their post weights and Sinkhorn matrices at once, a quad per row, while the collapse goes on;
 // - the collapse threads load row k (a pre's first row before pdl_wait, as the row kernel), take
-//   the weights, collapse, norm and store as the row kernel (collapse_store), and bulk-prefetch row k + 1 into L2
-//   while they wait for row k's weights.
+//   the weights, collapse, norm and store as the row kernel (collapse_store), and bulk-prefetch
+//   row k + 1 into L2 while they wait for row k's weights.
 // Same sums in the same orders as the row kernel: the same bits.
 template <bool kHead, bool kGather, int kV>
 __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
