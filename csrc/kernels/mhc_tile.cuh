@@ -927,6 +927,22 @@ __device__ __forceinline__ void collapse_store(const TileArgs& a, int row, const
   }
 }
 
+// A collapse thread's vectors of `row` (tid + 224 m, m < kV) in each of the 4 streams, every load
+// in one round: the row and loop kernels' stream loads.
+template <int kV>
+__device__ __forceinline__ void load_collapse_row(const __nv_bfloat16* stream, int row, int D, uint4 (&x)[kV][kHC]) {
+  const int nvec = D >> 3;
+  const uint4* src = reinterpret_cast<const uint4*>(stream + (size_t)row * kHC * D);
+#pragma unroll
+  for (int m = 0; m < kV; ++m) {
+    const int v = threadIdx.x + kCollapseThreads * m;
+    if (v < nvec) {
+#pragma unroll
+      for (int i = 0; i < kHC; ++i) x[m][i] = src[(size_t)i * nvec + v];
+    }
+  }
+}
+
 // Row collapse_block(blockIdx.x), a CTA per row: thread t < 224 owns vectors t + 224 m
 // (m < kV, kV * 224 >= D / 8) and issues every load (the streams, the norm weight) before the
 // coefficients are known, so one memory round trip overlaps the partials' sum; warp 7 is the
@@ -946,27 +962,16 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
   // flight while pass 1 still runs. A post_pre's new stream is pass 1's output: after the wait.
   const bool early = a.new_stream == nullptr;
   uint4 x[kV][kHC], nw[kV];
-  auto load_row = [&](const __nv_bfloat16* stream) {
-    const uint4* src = reinterpret_cast<const uint4*>(stream + (size_t)row * kHC * D);
-#pragma unroll
-    for (int m = 0; m < kV; ++m) {
-      const int v = tid + kCollapseThreads * m;
-      if (v < nvec) {
-#pragma unroll
-        for (int i = 0; i < kHC; ++i) x[m][i] = src[(size_t)i * nvec + v];
-      }
-    }
-  };
   const bool collapser = tid < kCollapseThreads;
   if (collapser && row < a.num_tokens) {  // not the coefficient warp, not the TP exit-barrier CTA
-    if (early) load_row(a.stream);
+    if (early) load_collapse_row(a.stream, row, D, x);
 #pragma unroll
     for (int m = 0; m < kV; ++m)
       if (norm && tid + kCollapseThreads * m < nvec)
         nw[m] = __ldg(reinterpret_cast<const uint4*>(a.norm_weight) + tid + kCollapseThreads * m);
   }
   if (!collapse_prologue<kGather>(a)) return;
-  if (collapser && !early) load_row(a.new_stream);
+  if (collapser && !early) load_collapse_row(a.new_stream, row, D, x);
   if (!collapse_coefficients<kHead>(a, row, s_m, s_coef)) return;  // the coefficient warp
   float w[kHC];
   collapse_weights<kHead>(a, row, s_coef, w);
@@ -1002,17 +1007,7 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
   const bool early = a.new_stream == nullptr;
   const __nv_bfloat16* stream = early ? a.stream : a.new_stream;
   uint4 x[kV][kHC];
-  auto load_row = [&](int row) {
-    const uint4* src = reinterpret_cast<const uint4*>(stream + (size_t)row * kHC * D);
-#pragma unroll
-    for (int m = 0; m < kV; ++m) {
-      const int v = tid + kCollapseThreads * m;
-      if (v < nvec) {
-#pragma unroll
-        for (int i = 0; i < kHC; ++i) x[m][i] = src[(size_t)i * nvec + v];
-      }
-    }
-  };
+  auto load_row = [&](int row) { load_collapse_row(stream, row, D, x); };
   const bool collapser = tid < kCollapseThreads;
   // A pre's first row before pdl_wait (not on the TP exit-barrier CTA).
   if (collapser && early && (int)blockIdx.x < stride && (int)blockIdx.x < n) load_row(collapse_block(a, blockIdx.x, n));
