@@ -1001,7 +1001,7 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
   __shared__ float s_coef[2][kHC];
   __shared__ float s_scale[3], s_base[kMix];
   __shared__ float s_rn;
-  const int tid = threadIdx.x, D = a.hidden, nvec = D >> 3, n = a.num_tokens;
+  const int tid = threadIdx.x, D = a.hidden, n = a.num_tokens;
   const int stride = gridDim.x - (a.exit_barrier ? 1 : 0);
   const bool norm = !kHead && a.norm_weight != nullptr;
   const bool early = a.new_stream == nullptr;
