@@ -139,14 +139,34 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
       if (a.parts > 1) rows = mhc_rows_kernel<kSrc, kPost, kPre, kHead, FnSrc::kParts>;
   }
   const size_t smem = rows_smem_bytes<kSrc, kPost, kPre, kHead>(D);
+  int grid = a.slices * a.groups * a.parts, block = kThreads;
+  if constexpr (kSrc == YSrc::kNone && !kPost && kPre && !kGather) {
+    // A local pre or head with fn staged: kPreTeams teams per CTA on one fn copy (1 CTA per SM),
+    // where the teams are fewer than the tiles. SPK_PRE_TEAMS=0: one-team CTAs (a temporary A/B
+    // knob).
+    static const bool teams_on = [] {
+      const char* v = std::getenv("SPK_PRE_TEAMS");
+      return v == nullptr || v[0] != '0';
+    }();
+    int resident = 0;
+    if (staged && teams_on &&
+        (e = resident_ctas((const void*)mhc_rows_teams_kernel<kHead>, kThreads * kPreTeams, smem, &resident)) !=
+            cudaSuccess)
+      return e;
+    if (const int per_slice = resident / a.slices; per_slice >= 1 && num_tiles > per_slice * kPreTeams) {
+      rows = mhc_rows_teams_kernel<kHead>;
+      a.groups = per_slice * kPreTeams;
+      grid = a.slices * per_slice;
+      block = kThreads * kPreTeams;
+    }
+  }
   if ((e = cudaFuncSetAttribute((const void*)rows, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) !=
       cudaSuccess)
     return e;
   if (debug_enabled())
-    std::fprintf(stderr, "spkernels: rows kernel T=%d D=%d slices=%d groups=%d parts=%d smem=%zu%s\n", T, D, a.slices,
-                 a.groups, a.parts, smem, staged ? " (fn staged)" : "");
-  if ((e = launch_dependent(rows, a.slices * a.groups * a.parts, kThreads, smem, stream, a)) != cudaSuccess || !kPre)
-    return e;
+    std::fprintf(stderr, "spkernels: rows kernel T=%d D=%d slices=%d groups=%d parts=%d smem=%zu%s%s\n", T, D, a.slices,
+                 a.groups, a.parts, smem, staged ? " (fn staged)" : "", block > kThreads ? " (teams)" : "");
+  if ((e = launch_dependent(rows, grid, block, smem, stream, a)) != cudaSuccess || !kPre) return e;
   if ((e = launch_collapse<kHead, kGather>(a, stream)) != cudaSuccess || !kGather) return e;
   const size_t bytes = (size_t)T * D * 2;  // one rank's block: T_local rows
   return launch_dependent(lsa_copy_in_kernel, lsa_all_gather_grid(bytes, max_ctas), kGatherThreads, 0, stream,

@@ -170,7 +170,7 @@ __device__ __forceinline__ void stage_fn_slice(const TileArgs& a, int v0, int W,
   static_assert(kThreads == kHC * 8 * 2 * 4, "a thread per (stream, group, half, vector)");
   extern __shared__ __align__(16) uint4 s_fn[];
   const int t = threadIdx.x & 3, s = (threadIdx.x >> 2) & 1, grp = (threadIdx.x >> 3) & 7, i = threadIdx.x >> 6;
-  if (grp < gmax) {
+  if (threadIdx.x < kThreads && grp < gmax) {  // a teams kernel's first team stages for all
     const int vec = grp * 4 + t;
     const size_t row = (size_t)kHC * a.hidden;  // one fn row
     const float* src = a.fn + (size_t)i * a.hidden + (size_t)(v0 + vec) * 8 + 4 * s;
@@ -244,7 +244,18 @@ __device__ __forceinline__ uint4 post_mix_vector(const float* mix, const float (
   return float_to_bf16x8(nv);
 }
 
-template <YSrc kSrc, bool kPost, bool kPre, bool kHead, FnSrc kFn>
+// Named barrier `id` (0 is __syncthreads) over `count` threads: arrive, or arrive and wait.
+__device__ __forceinline__ void bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
+// kTeams > 1 (mhc_rows_teams_kernel): the CTA is kTeams teams of kThreads threads on one staged fn
+// slice, team k of CTA b acting as CTA ((b / S) * kTeams + k) * S + b % S of the one-team grid; each
+// team has its own reduction buffers and syncs on named barrier 1 + k.
+template <YSrc kSrc, bool kPost, bool kPre, bool kHead, FnSrc kFn, int kTeams = 1>
 __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
   constexpr int kRows = FnRows<kHead>::kRows;
   constexpr int kVals = FnRows<kHead>::kVals;
@@ -253,13 +264,27 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
   // Warp partial products (in two rounds) and sums of squares, double-buffered by tile parity:
   // a tile's writes and the previous tile's workspace reads are then apart without a barrier
   // (A/B on 2xH200 at T = 8192, D = 4096: mhc_pre 240 -> 229 us, TP boundary 448 -> 431).
-  __shared__ float s_red[2][kWarps / 2][kTileTokens][kRows];
-  __shared__ float s_redsq[2][kWarps][kTileTokens];
-  __shared__ float s_mixin[kTileTokens][kMix - kHC];  // incoming post | res of the tile
+  __shared__ float s_red_team[kTeams][2][kWarps / 2][kTileTokens][kRows];
+  __shared__ float s_redsq_team[kTeams][2][kWarps][kTileTokens];
+  __shared__ float s_mixin_team[kTeams][kTileTokens][kMix - kHC];  // incoming post | res of the tile
+  static_assert(kTeams == 1 || (kPre && !kPost && kFn == FnSrc::kShared), "teams: a staged pre without a post");
+  const int team = kTeams == 1 ? 0 : threadIdx.x / kThreads;
+  auto& s_red = s_red_team[team];
+  auto& s_redsq = s_redsq_team[team];
+  auto& s_mixin = s_mixin_team[team];
+  auto team_sync = [&] {
+    if constexpr (kTeams == 1)
+      __syncthreads();
+    else
+      bar_sync(1 + team, kThreads);
+  };
 
-  const int parts = a.parts, part = blockIdx.x % parts, cta = blockIdx.x / parts;
+  const int parts = a.parts, part = blockIdx.x % parts;
+  const int cta =
+      kTeams == 1 ? blockIdx.x / parts : ((blockIdx.x / a.slices) * kTeams + team) * a.slices + blockIdx.x % a.slices;
   const int S = a.slices, slice = cta % S;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int tid = kTeams == 1 ? threadIdx.x : threadIdx.x % kThreads;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int D = a.hidden, nvec = D >> 3, T = a.num_tokens;
   const int v0 = slice * nvec / S, W = (slice + 1) * nvec / S - v0;
   const int gmax = slice_groups(D, S);
@@ -321,7 +346,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
     }
     // The previous tile's readers of s_mixin are done: a post alone has no later barrier; with a
     // pre they read before its sums' barriers (and s_red is the other buffer).
-    if constexpr (!kPre) __syncthreads();
+    if constexpr (!kPre) team_sync();
     if constexpr (kPost) {
       // kPushed: this rank's vector `v` of row `row` in `sender`'s place of a push region (PushArgs).
       auto push_off = [&](int sender, int row, int v) {
@@ -355,7 +380,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
         if (row < T) v = c < kHC ? a.post_mix_in[row * kHC + c] : a.res_mix_in[row * kHC * kHC + c - kHC];
         s_mixin[tok][c] = v;
       }
-      __syncthreads();
+      team_sync();
       // y of token g + 8h in bf16 (the peers' partials summed in rank order 0..tp-1, the same
       // order on every rank, and rounded like the reference reduction); zeros outside the tile.
       auto fetch_y = [&](int h) {
@@ -564,7 +589,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) s_redsq[buf][warp][8 * h + g] = sq[h];
       }
-      __syncthreads();
+      team_sync();
       if (warp < kWarps / 2) {
 #pragma unroll
         for (int p = 0; p < np; ++p) {
@@ -574,7 +599,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
             for (int e = 0; e < 2; ++e) s_red[buf][warp][8 * h + 2 * t + e][(p + p0) * 8 + g] += v[p][h][e];
         }
       }
-      __syncthreads();
+      team_sync();
       static_assert(kNT < kWarps, "a warp per m-tile and one for the squares");
       if (warp < kNT && (parts == 1 || warp == part)) {  // warp-uniform; decode: this part's m-tile
 #pragma unroll
@@ -641,6 +666,23 @@ __global__ void __launch_bounds__(kThreads, kRowsCtasPerSm) mhc_rows_kernel(cons
   }
 }
 
+// A local pre (or the head) with fn staged: kPreTeams teams of kThreads threads per CTA on one fn
+// slice (mhc_rows' kTeams), one CTA per SM: 24 warps per SM where two one-team CTAs, each with its
+// own 96 KB fn copy, give 16. At 80 registers (the launch bounds' cap for 768 threads) the pre's
+// and the head's pass 1 compile without spills; a post_pre's does not (160 bytes). Same tiles,
+// same per-tile code: the same bits.
+constexpr int kPreTeams = 3;
+
+template <bool kHead>
+__global__ void __launch_bounds__(kThreads* kPreTeams, 1) mhc_rows_teams_kernel(const __grid_constant__ TileArgs a) {
+  pdl_wait();
+  pdl_launch_dependents();  // pass 2 (see mhc_rows_kernel)
+  const int S = a.slices, slice = blockIdx.x % S, nvec = a.hidden >> 3;
+  const int v0 = slice * nvec / S;
+  stage_fn_slice<kHead>(a, v0, (slice + 1) * nvec / S - v0, slice_groups(a.hidden, S));
+  mhc_rows<YSrc::kNone, false, true, kHead, FnSrc::kShared, kPreTeams>(a);
+}
+
 // mhc_post alone at decode sizes (T <= kPostRowRows): a thread per 8-column vector of one token,
 // every load of it (4 stream vectors, y, the token's 20 mixes) in one round, then its 4 stores; no
 // shared memory, no barrier. The tile kernel runs a 16-token tile there (at T = 1, 4 of a warp's
@@ -702,13 +744,6 @@ static __global__ void __launch_bounds__(kPostRowThreads) mhc_post_row_kernel(co
 
 // Named barriers (0 is __syncthreads); kBarFull / kBarEmpty + parity: mhc_collapse_loop_kernel's ring.
 enum : int { kBarCoef = 1, kBarNorm = 2, kBarFull = 3, kBarEmpty = 5 };
-
-__device__ __forceinline__ void bar_arrive(int id, int count) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void bar_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
 
 // Value k (an fn row's product, or kRows: the sum of squares) of `row`: its S workspace
 // partials summed in slice order, kWsBatch loads in flight before the adds (a rolled loop would
