@@ -112,6 +112,11 @@ template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kGather>
 inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   const int T = a.num_tokens, D = a.hidden;
   if (T == 0) return cudaSuccess;
+  static const bool no_pf = [] {
+    const char* v = std::getenv("SPK_P1_PF");
+    return v != nullptr && v[0] == '0';
+  }();
+  a.no_l2_prefetch = no_pf;
   if constexpr (kSrc == YSrc::kLocal && kPost && !kPre) {
     if (T <= kPostRowRows) {
       if (debug_enabled()) std::fprintf(stderr, "spkernels: post row kernel T=%d D=%d\n", T, D);

@@ -101,6 +101,7 @@ struct TileArgs {
   int parts;                   // pass 1 CTAs per (tile, slice): 1, or one per 8 fn rows at decode sizes
   bool exit_barrier;           // pass 2: an extra last CTA syncs with the peers' (peers done reading partials)
   bool push_barrier;           // pass 1 without an entry barrier: CTA 0 syncs before pass 2 pushes (SP)
+  bool no_l2_prefetch;         // SPK_P1_PF=0 (a temporary A/B knob): pass 1 without its next-tile L2 prefetch
   LsaArgs lsa;
 };
 
@@ -337,7 +338,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
     constexpr int kPer = kHC + (kSrc == YSrc::kLocal ? 1 : 0);  // ranges per token: streams, y
     static_assert(kTileTokens * kPer % kWarps == 0, "whole shares per warp");
     if (const int next = row_base + a.groups * kTileTokens;
-        kPre && !kPipe && next < T && lane < kTileTokens * kPer / kWarps) {
+        kPre && !kPipe && !a.no_l2_prefetch && next < T && lane < kTileTokens * kPer / kWarps) {
       const int k = lane * kWarps + warp, row = next + k / kPer, i = k % kPer;
       if (row < T && i < kHC)
         prefetch_l2(a.stream + row * srow + (size_t)i * D + (size_t)v0 * 8, W * 16);
