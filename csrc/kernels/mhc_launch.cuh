@@ -143,7 +143,7 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
     if constexpr (kParts > 1)
       if (a.parts > 1) rows = mhc_rows_kernel<kSrc, kPost, kPre, kHead, FnSrc::kParts>;
   }
-  const size_t smem = rows_smem_bytes<kSrc, kPost, kPre, kHead>(D);
+  size_t smem = rows_smem_bytes<kSrc, kPost, kPre, kHead>(D);
   int grid = a.slices * a.groups * a.parts, block = kThreads;
   if constexpr (kSrc == YSrc::kNone && !kPost && kPre && !kGather) {
     // A local pre or head with fn staged: kPreTeams teams per CTA on one fn copy (1 CTA per SM),
@@ -154,8 +154,9 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
       return v == nullptr || v[0] != '0';
     }();
     int resident = 0;
+    const size_t teams_smem = teams_smem_bytes<kHead>(D);
     if (staged && teams_on &&
-        (e = resident_ctas((const void*)mhc_rows_teams_kernel<kHead>, kThreads * kPreTeams, smem, &resident)) !=
+        (e = resident_ctas((const void*)mhc_rows_teams_kernel<kHead>, kThreads * kPreTeams, teams_smem, &resident)) !=
             cudaSuccess)
       return e;
     if (const int per_slice = resident / a.slices; per_slice >= 1 && num_tiles > per_slice * kPreTeams) {
@@ -163,6 +164,7 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
       a.groups = per_slice * kPreTeams;
       grid = a.slices * per_slice;
       block = kThreads * kPreTeams;
+      smem = teams_smem;
     }
   }
   if ((e = cudaFuncSetAttribute((const void*)rows, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) !=

@@ -303,8 +303,35 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
   // rows there were 10-20% slower at T = 16-32 than loaded after the pushes (`mine` below;
   // bench/results/ab_yr_2026-11-30.txt).
   constexpr bool kEarlyY = kPost && !kPre && kSrc == YSrc::kLocal;
+  // kStageX (the teams of a pre, not the head): the tile's x comes by 16-byte cp.async into this
+  // thread's own 8 slots of a shared-memory stage after fn (slot k of thread t at k * kThreads + t:
+  // no bank conflicts), issued right after the previous tile's mma has read its x. No L2 prefetch:
+  // the copy is the only read, so each byte crosses the L2 partitions' fabric once, where the
+  // prefetch and the load crossed it twice (ncu: the fabric 86% busy, pass 1's cap). SPK_PRE_TEAMS.
+  constexpr bool kStageX = kTeams > 1 && !kHead;
+  uint4* const x_stage = s_fn + (size_t)kHC * gmax * 2 * kRows * 4 + (size_t)team * 2 * kHC * kThreads;
+  auto issue_tile = [&](int row_base) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row_base + g + 8 * h;
+      const bool valid = vec < W && row < T;
+#pragma unroll
+      for (int i = 0; i < kHC; ++i)
+        cp_async16(x_stage + (h * kHC + i) * kThreads + tid,
+                   valid ? a.stream + row * srow + (size_t)i * D + col : a.stream, valid ? 16 : 0);
+    }
+    cp_async_commit();
+  };
   uint4 x[2][kHC], yr[2];
   auto load_tile = [&](int row_base) {
+    if constexpr (kStageX) {
+      cp_async_wait_all();
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int i = 0; i < kHC; ++i) x[h][i] = x_stage[(h * kHC + i) * kThreads + tid];
+      return;
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = row_base + g + 8 * h;
@@ -324,6 +351,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
   static_assert(!(kHead && kPost), "the head is a pre without a post");
   constexpr bool kPipe = kHead;
   if (kPipe && cta / S < num_tiles) load_tile(cta / S * kTileTokens);
+  if (kStageX && cta / S < num_tiles) issue_tile(cta / S * kTileTokens);
 
   for (int tile = cta / S, buf = 0; tile < num_tiles; tile += a.groups, buf ^= 1) {
     const int row_base = tile * kTileTokens;
@@ -338,7 +366,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
     constexpr int kPer = kHC + (kSrc == YSrc::kLocal ? 1 : 0);  // ranges per token: streams, y
     static_assert(kTileTokens * kPer % kWarps == 0, "whole shares per warp");
     if (const int next = row_base + a.groups * kTileTokens;
-        kPre && !kPipe && !a.no_l2_prefetch && next < T && lane < kTileTokens * kPer / kWarps) {
+        kPre && !kPipe && !kStageX && !a.no_l2_prefetch && next < T && lane < kTileTokens * kPer / kWarps) {
       const int k = lane * kWarps + warp, row = next + k / kPer, i = k % kPer;
       if (row < T && i < kHC)
         prefetch_l2(a.stream + row * srow + (size_t)i * D + (size_t)v0 * 8, W * 16);
@@ -573,6 +601,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
       }
       if constexpr (kPipe)
         if (tile + a.groups < num_tiles) load_tile(row_base + a.groups * kTileTokens);
+      if constexpr (kStageX)  // every mma has read its x from the registers: the slots are free
+        if (tile + a.groups < num_tiles) issue_tile(row_base + a.groups * kTileTokens);
       // Warps 4..7 write, then warps 0..3 add: half the buffer. Then warp w < kNT completes rows
       // 8w..8w+7 (0 + p0 + p1 + p2 + p3, p_w = a_{w+4} + a_w) in its own mma layout and warp kNT
       // the sums of squares: ~40 instructions on 4 warps per tile where a loop over the 400 values
@@ -672,7 +702,13 @@ __global__ void __launch_bounds__(kThreads, kRowsCtasPerSm) mhc_rows_kernel(cons
 // own 96 KB fn copy, give 16. At 80 registers (the launch bounds' cap for 768 threads) the pre's
 // and the head's pass 1 compile without spills; a post_pre's does not (160 bytes). Same tiles,
 // same per-tile code: the same bits.
-constexpr int kPreTeams = 3;
+constexpr int kPreTeams = 2;
+
+// Dynamic shared memory of the teams kernel: fn, and for a pre (not the head) each team's x stage.
+template <bool kHead>
+inline size_t teams_smem_bytes(int hidden) {
+  return fn_smem_bytes<kHead>(hidden) + (kHead ? 0 : (size_t)kPreTeams * 2 * kHC * kThreads * sizeof(uint4));
+}
 
 template <bool kHead>
 __global__ void __launch_bounds__(kThreads* kPreTeams, 1) mhc_rows_teams_kernel(const __grid_constant__ TileArgs a) {
