@@ -112,11 +112,6 @@ template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kGather>
 inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   const int T = a.num_tokens, D = a.hidden;
   if (T == 0) return cudaSuccess;
-  static const bool no_pf = [] {
-    const char* v = std::getenv("SPK_P1_PF");
-    return v != nullptr && v[0] == '0';
-  }();
-  a.no_l2_prefetch = no_pf;
   if constexpr (kSrc == YSrc::kLocal && kPost && !kPre) {
     if (T <= kPostRowRows) {
       if (debug_enabled()) std::fprintf(stderr, "spkernels: post row kernel T=%d D=%d\n", T, D);
@@ -145,19 +140,13 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   }
   size_t smem = rows_smem_bytes<kSrc, kPost, kPre, kHead>(D);
   int grid = a.slices * a.groups * a.parts, block = kThreads;
-  if constexpr (kSrc == YSrc::kNone && !kPost && kPre && !kGather) {
-    // A local pre or head with fn staged: kPreTeams teams per CTA on one fn copy (1 CTA per SM),
-    // where the teams are fewer than the tiles. SPK_PRE_TEAMS=0: one-team CTAs (a temporary A/B
-    // knob).
-    static const bool teams_on = [] {
-      const char* v = std::getenv("SPK_PRE_TEAMS");
-      return v == nullptr || v[0] != '0';
-    }();
+  if constexpr (kSrc == YSrc::kNone && !kPost && kPre) {
+    // A pre or head without a post, fn staged: kPreTeams teams per CTA on one fn copy (1 CTA per
+    // SM), where the teams are fewer than the tiles (bench/results/ab_cpx_2026-11-30.txt).
     int resident = 0;
     const size_t teams_smem = teams_smem_bytes<kHead>(D);
-    if (staged && teams_on &&
-        (e = resident_ctas((const void*)mhc_rows_teams_kernel<kHead>, kThreads * kPreTeams, teams_smem, &resident)) !=
-            cudaSuccess)
+    if (staged && (e = resident_ctas((const void*)mhc_rows_teams_kernel<kHead>, kThreads * kPreTeams, teams_smem,
+                                     &resident)) != cudaSuccess)
       return e;
     if (const int per_slice = resident / a.slices; per_slice >= 1 && num_tiles > per_slice * kPreTeams) {
       rows = mhc_rows_teams_kernel<kHead>;

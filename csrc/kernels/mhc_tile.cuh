@@ -101,7 +101,6 @@ struct TileArgs {
   int parts;                   // pass 1 CTAs per (tile, slice): 1, or one per 8 fn rows at decode sizes
   bool exit_barrier;           // pass 2: an extra last CTA syncs with the peers' (peers done reading partials)
   bool push_barrier;           // pass 1 without an entry barrier: CTA 0 syncs before pass 2 pushes (SP)
-  bool no_l2_prefetch;         // SPK_P1_PF=0 (a temporary A/B knob): pass 1 without its next-tile L2 prefetch
   LsaArgs lsa;
 };
 
@@ -307,7 +306,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
   // thread's own 8 slots of a shared-memory stage after fn (slot k of thread t at k * kThreads + t:
   // no bank conflicts), issued right after the previous tile's mma has read its x. No L2 prefetch:
   // the copy is the only read, so each byte crosses the L2 partitions' fabric once, where the
-  // prefetch and the load crossed it twice (ncu: the fabric 86% busy, pass 1's cap). SPK_PRE_TEAMS.
+  // prefetch and the load crossed it twice. ncu at T = 8192, D = 4096 (one H200): pass 1 94 -> 90
+  // us, the fabric still 81% busy (86 with the prefetch); mhc_pre 2-11% faster (ab_cpx_2026-11-30).
   constexpr bool kStageX = kTeams > 1 && !kHead;
   uint4* const x_stage = s_fn + (size_t)kHC * gmax * 2 * kRows * 4 + (size_t)team * 2 * kHC * kThreads;
   auto issue_tile = [&](int row_base) {
@@ -366,7 +366,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
     constexpr int kPer = kHC + (kSrc == YSrc::kLocal ? 1 : 0);  // ranges per token: streams, y
     static_assert(kTileTokens * kPer % kWarps == 0, "whole shares per warp");
     if (const int next = row_base + a.groups * kTileTokens;
-        kPre && !kPipe && !kStageX && !a.no_l2_prefetch && next < T && lane < kTileTokens * kPer / kWarps) {
+        kPre && !kPipe && !kStageX && next < T && lane < kTileTokens * kPer / kWarps) {
       const int k = lane * kWarps + warp, row = next + k / kPer, i = k % kPer;
       if (row < T && i < kHC)
         prefetch_l2(a.stream + row * srow + (size_t)i * D + (size_t)v0 * 8, W * 16);
@@ -651,6 +651,15 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
   }
 }
 
+// mhc_pre_ag's pass 1 (a.push_barrier): CTA 0 syncs with the peers once, so that pass 2 may push
+// into their gather regions ((B) in lsa_gather.cuh; see mhc_rows_kernel).
+__device__ __forceinline__ void gather_push_sync(const TileArgs& a) {
+  if (a.push_barrier && blockIdx.x == 0) {  // CTA-uniform
+    LsaBarrier bar(a.lsa.window, a.lsa.rank, a.lsa.world, a.lsa.barrier, 0);
+    bar.sync(BarrierSite::kGatherPush);
+  }
+}
+
 // Pass 1, a programmatic dependent of whatever kernel precedes the op (pdl.cuh): every thread
 // waits first, before its barriers (F2 in lsa_gather.cuh) and before it lets pass 2 launch. Posts
 // without a pre synchronise with the peers at entry (partials written) and exit (nobody reads this
@@ -685,23 +694,17 @@ __global__ void __launch_bounds__(kThreads, kRowsCtasPerSm) mhc_rows_kernel(cons
     mhc_rows<kSrc, kPost, kPre, kHead, kFn>(a);
     if constexpr (!kPre) bar.sync(BarrierSite::kExit);
   } else {
-    if constexpr (kSrc == YSrc::kNone && kPre) {
-      if (a.push_barrier && blockIdx.x == 0) {  // CTA-uniform
-        // The peers' pass 1 has started, so their previous copy-in kernels have completed.
-        LsaBarrier bar(a.lsa.window, a.lsa.rank, a.lsa.world, a.lsa.barrier, 0);
-        bar.sync(BarrierSite::kGatherPush);
-      }
-    }
+    if constexpr (kSrc == YSrc::kNone && kPre) gather_push_sync(a);
     mhc_rows<kSrc, kPost, kPre, kHead, kFn>(a);
     if constexpr (kSrc == YSrc::kPushed) push_ticket(a);
   }
 }
 
-// A local pre (or the head) with fn staged: kPreTeams teams of kThreads threads per CTA on one fn
-// slice (mhc_rows' kTeams), one CTA per SM: 24 warps per SM where two one-team CTAs, each with its
-// own 96 KB fn copy, give 16. At 80 registers (the launch bounds' cap for 768 threads) the pre's
-// and the head's pass 1 compile without spills; a post_pre's does not (160 bytes). Same tiles,
-// same per-tile code: the same bits.
+// A pre (local or SP) or the head with fn staged: kPreTeams teams of kThreads threads per CTA on
+// one fn slice (mhc_rows' kTeams), one CTA per SM: the 16 warps per SM of two one-team CTAs, the
+// space of the second 96 KB fn copy holding the pre's x stages. 123 registers, no spills. Same
+// tiles, same per-tile code: the same bits. Three teams (24 warps, at the 80-register cap) were no
+// faster (ab_teams_2026-11-30).
 constexpr int kPreTeams = 2;
 
 // Dynamic shared memory of the teams kernel: fn, and for a pre (not the head) each team's x stage.
@@ -717,6 +720,7 @@ __global__ void __launch_bounds__(kThreads* kPreTeams, 1) mhc_rows_teams_kernel(
   const int S = a.slices, slice = blockIdx.x % S, nvec = a.hidden >> 3;
   const int v0 = slice * nvec / S;
   stage_fn_slice<kHead>(a, v0, (slice + 1) * nvec / S - v0, slice_groups(a.hidden, S));
+  gather_push_sync(a);
   mhc_rows<YSrc::kNone, false, true, kHead, FnSrc::kShared, kPreTeams>(a);
 }
 
