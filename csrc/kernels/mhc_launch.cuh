@@ -142,7 +142,9 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   int grid = a.slices * a.groups * a.parts, block = kThreads;
   if constexpr (kSrc == YSrc::kNone && !kPost && kPre) {
     // A pre or head without a post, fn staged: kPreTeams teams per CTA on one fn copy (1 CTA per
-    // SM), where the teams are fewer than the tiles (bench/results/ab_cpx_2026-11-30.txt).
+    // SM), where the teams are fewer than the tiles (bench/results/ab_cpx_2026-11-30.txt). A CTA
+    // per (slice, tile set) leaves SMs mod S idle; the units split evenly over every SM instead
+    // were 1-11% slower (ab_even_2026-11-30.txt): this order keeps all slices on one window of tiles.
     int resident = 0;
     const size_t teams_smem = teams_smem_bytes<kHead>(D);
     if (staged && (e = resident_ctas((const void*)mhc_rows_teams_kernel<kHead>, kThreads * kPreTeams, teams_smem,
