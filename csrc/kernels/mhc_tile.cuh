@@ -702,7 +702,7 @@ __global__ void __launch_bounds__(kThreads, kRowsCtasPerSm) mhc_rows_kernel(cons
 
 // A pre (local or SP) or the head with fn staged: kPreTeams teams of kThreads threads per CTA on
 // one fn slice (mhc_rows' kTeams), one CTA per SM: the 16 warps per SM of two one-team CTAs, the
-// space of the second 96 KB fn copy holding the pre's x stages. 123 registers, no spills. Same
+// space of the second 96 KB fn copy holding the pre's x stages. 120 registers, no spills. Same
 // tiles, same per-tile code: the same bits. Three teams (24 warps, at the 80-register cap) were no
 // faster (ab_teams_2026-11-30).
 constexpr int kPreTeams = 2;
