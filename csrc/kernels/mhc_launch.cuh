@@ -141,21 +141,23 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   size_t smem = rows_smem_bytes<kSrc, kPost, kPre, kHead>(D);
   int grid = a.slices * a.groups * a.parts, block = kThreads;
   if constexpr (kSrc == YSrc::kNone && !kPost && kPre) {
-    // A pre or head without a post, fn staged: kPreTeams teams per CTA on one fn copy (1 CTA per
-    // SM), where the teams are fewer than the tiles (bench/results/ab_cpx_2026-11-30.txt). A CTA
-    // per (slice, tile set) leaves SMs mod S idle; the units split evenly over every SM instead
-    // were 1-11% slower (ab_even_2026-11-30.txt): this order keeps all slices on one window of tiles.
+    // A pre or head without a post, fn staged, one CTA per SM, where the CTAs' teams are fewer
+    // than half the tiles: a pre on mhc_rows_fnreg_kernel (one team, fn in registers, x through a
+    // ring; ab_fnreg_2026-11-30), the head on mhc_rows_teams_kernel (kPreTeams teams on one fn
+    // copy in shared memory; ab_cpx_2026-11-30). A CTA per (slice, tile set) leaves SMs mod S idle;
+    // the units split evenly over every SM instead were 1-11% slower (ab_even_2026-11-30.txt):
+    // this order keeps all slices on one window of tiles.
+    constexpr int kTeams = kHead ? kPreTeams : 1;
+    void (*const k)(TileArgs) = kHead ? mhc_rows_teams_kernel : mhc_rows_fnreg_kernel;
+    const size_t k_smem = kHead ? fn_smem_bytes<kHead>(D) : kFnRegSmemBytes;
     int resident = 0;
-    const size_t teams_smem = teams_smem_bytes<kHead>(D);
-    if (staged && (e = resident_ctas((const void*)mhc_rows_teams_kernel<kHead>, kThreads * kPreTeams, teams_smem,
-                                     &resident)) != cudaSuccess)
-      return e;
+    if (staged && (e = resident_ctas((const void*)k, kThreads * kTeams, k_smem, &resident)) != cudaSuccess) return e;
     if (const int per_slice = resident / a.slices; per_slice >= 1 && num_tiles > per_slice * kPreTeams) {
-      rows = mhc_rows_teams_kernel<kHead>;
-      a.groups = per_slice * kPreTeams;
+      rows = k;
+      a.groups = per_slice * kTeams;
       grid = a.slices * per_slice;
-      block = kThreads * kPreTeams;
-      smem = teams_smem;
+      block = kThreads * kTeams;
+      smem = k_smem;
     }
   }
   if ((e = cudaFuncSetAttribute((const void*)rows, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) !=
@@ -163,7 +165,10 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
     return e;
   if (debug_enabled())
     std::fprintf(stderr, "spkernels: rows kernel T=%d D=%d slices=%d groups=%d parts=%d smem=%zu%s%s\n", T, D, a.slices,
-                 a.groups, a.parts, smem, staged ? " (fn staged)" : "", block > kThreads ? " (teams)" : "");
+                 a.groups, a.parts, smem, staged ? " (fn staged)" : "",
+                 rows == mhc_rows_fnreg_kernel ? " (fn in registers)"
+                 : block > kThreads            ? " (teams)"
+                                               : "");
   if ((e = launch_dependent(rows, grid, block, smem, stream, a)) != cudaSuccess || !kPre) return e;
   if ((e = launch_collapse<kHead, kGather>(a, stream)) != cudaSuccess || !kGather) return e;
   const size_t bytes = (size_t)T * D * 2;  // one rank's block: T_local rows

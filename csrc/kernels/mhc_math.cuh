@@ -73,13 +73,17 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 }
 
 // 16 bytes global -> shared, asynchronously and through the L2 only (.cg); src_bytes = 0 stores
-// zeros (src must still be a valid address). cp_async_wait_all: this thread's copies have landed.
+// zeros (src must still be a valid address). cp_async_wait<N>: this thread's copies but those of
+// its N most recently committed groups have landed.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
   const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
 
 // The coefficient math is a latency-bound chain on one warp (20 Sinkhorn sweeps per row), so it
 // uses the SFU's approximate exp and reciprocal (~2 ulp each; the mixes' tolerance is 1e-4).

@@ -40,11 +40,16 @@ enum class YSrc : int { kNone, kLocal, kPeers, kPushed };
 constexpr int kRowsCtasPerSm = 2;
 
 // Where pass 1 of a pre takes its fn fragments, chosen at launch: global memory (one tile per CTA),
-// shared memory (several tiles per CTA: staged once), or global memory for one part of 8 fn rows
-// (decode: a.parts > 1). Each its own kernel: every path in one kernel cost the others registers
+// shared memory (several tiles per CTA: staged once), global memory for one part of 8 fn rows
+// (decode: a.parts > 1), or registers (a pre's tile loop on mhc_rows_fnreg_kernel: each thread's
+// fragments loaded once). Each its own kernel: every path in one kernel cost the others registers
 // (the local post_pre's spilled 48-92 bytes) and a select per fragment compiled to a branch around
 // each load (SASS of 3ab923e).
-enum class FnSrc : int { kGlobal, kShared, kParts };
+enum class FnSrc : int { kGlobal, kShared, kParts, kRegs };
+
+// FnSrc::kRegs: the tiles of x in flight through shared memory (mhc_rows' ring). 2 was 3-7% faster
+// than the teams kernel's one stage for mhc_pre; 4 and 6 gave it back (ab_fnreg_2026-11-30).
+constexpr int kFnRegRing = 2;
 
 // The pushed TP op (YSrc::kPushed: mhc_post_ar at T <= PushArgs::rows): no barrier. Push region
 // of rank r: [2 slots][world senders][rows][D] bf16, every element the sentinel 0x8000 (-0.0)
@@ -252,7 +257,7 @@ __device__ __forceinline__ void bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
-// kTeams > 1 (mhc_rows_teams_kernel): the CTA is kTeams teams of kThreads threads on one staged fn
+// kTeams > 1 (mhc_rows_teams_kernel, the head): the CTA is kTeams teams of kThreads threads on one staged fn
 // slice, team k of CTA b acting as CTA ((b / S) * kTeams + k) * S + b % S of the one-team grid; each
 // team has its own reduction buffers and syncs on named barrier 1 + k.
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead, FnSrc kFn, int kTeams = 1>
@@ -267,7 +272,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
   __shared__ float s_red_team[kTeams][2][kWarps / 2][kTileTokens][kRows];
   __shared__ float s_redsq_team[kTeams][2][kWarps][kTileTokens];
   __shared__ float s_mixin_team[kTeams][kTileTokens][kMix - kHC];  // incoming post | res of the tile
-  static_assert(kTeams == 1 || (kPre && !kPost && kFn == FnSrc::kShared), "teams: a staged pre without a post");
+  static_assert(kTeams == 1 || (kHead && kFn == FnSrc::kShared), "teams: the staged head");
   const int team = kTeams == 1 ? 0 : threadIdx.x / kThreads;
   auto& s_red = s_red_team[team];
   auto& s_redsq = s_redsq_team[team];
@@ -302,34 +307,42 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
   // rows there were 10-20% slower at T = 16-32 than loaded after the pushes (`mine` below;
   // bench/results/ab_yr_2026-11-30.txt).
   constexpr bool kEarlyY = kPost && !kPre && kSrc == YSrc::kLocal;
-  // kStageX (the teams of a pre, not the head): the tile's x comes by 16-byte cp.async into this
-  // thread's own 8 slots of a shared-memory stage after fn (slot k of thread t at k * kThreads + t:
-  // no bank conflicts), issued right after the previous tile's mma has read its x. No L2 prefetch:
-  // the copy is the only read, so each byte crosses the L2 partitions' fabric once, where the
-  // prefetch and the load crossed it twice. ncu at T = 8192, D = 4096 (one H200): pass 1 94 -> 90
-  // us, the fabric still 81% busy (86 with the prefetch); mhc_pre 2-11% faster (ab_cpx_2026-11-30).
-  constexpr bool kStageX = kTeams > 1 && !kHead;
-  uint4* const x_stage = s_fn + (size_t)kHC * gmax * 2 * kRows * 4 + (size_t)team * 2 * kHC * kThreads;
-  auto issue_tile = [&](int row_base) {
+  // kStageX (fn in registers: a pre's mhc_rows_fnreg_kernel): the tile's x comes by 16-byte
+  // cp.async through a ring of kFnRegRing tiles in shared memory, this thread's own 8 slots per
+  // tile (slot k of thread t at k * kThreads + t: no bank conflicts). A tile's copies are issued
+  // right after the mma of the tile kFnRegRing before it has read that slot, and are one commit
+  // group (an empty one past the last tile), so tile j waits with wait_group<kFnRegRing - 1>. No L2
+  // prefetch: the copy is the only read, so each byte crosses the L2 partitions' fabric once.
+  // With the fragments in registers, pass 1 no longer fills the shared-memory pipe with their
+  // 98 KB of loads per tile at D = 7168 (ncu_d7168_cpx_2026-11-30): mhc_pre 3-7% faster than the
+  // teams kernel's one stage (ab_fnreg_2026-11-30). Only a pre's: the local post_pre and the fused
+  // boundaries so (their old stream and y through the ring, one CTA per SM) were 6-49% slower.
+  constexpr int kRing = kFn == FnSrc::kRegs ? kFnRegRing : 0;
+  constexpr bool kStageX = kRing > 0;
+  static_assert(!kStageX || (kSrc == YSrc::kNone && !kPost && !kHead), "the ring: a pre's x");
+  uint4* const x_stage = s_fn;                 // mhc_rows_fnreg_kernel's dynamic shared memory is the ring
+  auto issue_tile = [&](int tile, int slot) {  // and commit; only the commit past the last tile
+    if (tile < num_tiles) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = row_base + g + 8 * h;
-      const bool valid = vec < W && row < T;
+      for (int h = 0; h < 2; ++h) {
+        const int row = tile * kTileTokens + g + 8 * h;
+        const bool valid = vec < W && row < T;
 #pragma unroll
-      for (int i = 0; i < kHC; ++i)
-        cp_async16(x_stage + (h * kHC + i) * kThreads + tid,
-                   valid ? a.stream + row * srow + (size_t)i * D + col : a.stream, valid ? 16 : 0);
+        for (int i = 0; i < kHC; ++i)
+          cp_async16(x_stage + ((slot * 2 + h) * kHC + i) * kThreads + tid,
+                     valid ? a.stream + row * srow + (size_t)i * D + col : a.stream, valid ? 16 : 0);
+      }
     }
     cp_async_commit();
   };
   uint4 x[2][kHC], yr[2];
-  auto load_tile = [&](int row_base) {
+  auto load_tile = [&](int row_base, int slot) {
     if constexpr (kStageX) {
-      cp_async_wait_all();
+      cp_async_wait<kRing - 1>();
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int i = 0; i < kHC; ++i) x[h][i] = x_stage[(h * kHC + i) * kThreads + tid];
+        for (int i = 0; i < kHC; ++i) x[h][i] = x_stage[((slot * 2 + h) * kHC + i) * kThreads + tid];
       return;
     }
 #pragma unroll
@@ -350,12 +363,25 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
   // slower than their L2 prefetch below, so they keep it; a post_pre rewrites x anyway).
   static_assert(!(kHead && kPost), "the head is a pre without a post");
   constexpr bool kPipe = kHead;
-  if (kPipe && cta / S < num_tiles) load_tile(cta / S * kTileTokens);
-  if (kStageX && cta / S < num_tiles) issue_tile(cta / S * kTileTokens);
+  if (kPipe && cta / S < num_tiles) load_tile(cta / S * kTileTokens, 0);
+  if constexpr (kStageX)
+#pragma unroll
+    for (int r = 0; r < kRing; ++r) issue_tile(cta / S + r * a.groups, r);
+  // kRegs: this thread's fn fragments, loaded once (a warp past the slice's columns adds zeros).
+  uint4 fq[kFn == FnSrc::kRegs ? kHC : 1][kNT][2];
+  if constexpr (kFn == FnSrc::kRegs)
+    if (warp < gmax)
+#pragma unroll
+      for (int i = 0; i < kHC; ++i)
+#pragma unroll
+        for (int p = 0; p < kNT; ++p)
+#pragma unroll
+          for (int s = 0; s < 2; ++s) fq[i][p][s] = fn_fragment<kHead>(a, i, p * 8 + g, vec, s, v0, W);
 
-  for (int tile = cta / S, buf = 0; tile < num_tiles; tile += a.groups, buf ^= 1) {
+  for (int tile = cta / S, buf = 0, slot = 0; tile < num_tiles;
+       tile += a.groups, buf ^= 1, slot = slot + 1 < kRing ? slot + 1 : 0) {
     const int row_base = tile * kTileTokens;
-    if constexpr (!kPipe) load_tile(row_base);
+    if constexpr (!kPipe) load_tile(row_base, slot);
     // The CTA's next tile into L2 while this one computes: one bulk prefetch per (token, stream)
     // slice row (and y's), so the next loads wait on L2, not HBM (ncu at T = 8192, D = 4096:
     // post_pre pass 1 288 -> 262 us, pre 144 -> 139). The ranges are dealt round the warps: the
@@ -587,6 +613,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
             for (int s = 0; s < 2; ++s) {
               if constexpr (kFn == FnSrc::kShared)
                 q[s] = s_fn[(((i * gmax + warp) * 2 + s) * kRows + p * 8 + g) * 4 + t];
+              else if constexpr (kFn == FnSrc::kRegs)
+                q[s] = fq[i][p][s];
               else
                 q[s] = fn_fragment<kHead>(a, i, p * 8 + g, vec, s, v0, W);
             }
@@ -600,9 +628,9 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
         diagonal(sqa, sqb);
       }
       if constexpr (kPipe)
-        if (tile + a.groups < num_tiles) load_tile(row_base + a.groups * kTileTokens);
-      if constexpr (kStageX)  // every mma has read its x from the registers: the slots are free
-        if (tile + a.groups < num_tiles) issue_tile(row_base + a.groups * kTileTokens);
+        if (tile + a.groups < num_tiles) load_tile(row_base + a.groups * kTileTokens, 0);
+      if constexpr (kStageX)  // every mma has read its x from the registers: the slot is free
+        issue_tile(tile + kRing * a.groups, slot);
       // Warps 4..7 write, then warps 0..3 add: half the buffer. Then warp w < kNT completes rows
       // 8w..8w+7 (0 + p0 + p1 + p2 + p3, p_w = a_{w+4} + a_w) in its own mma layout and warp kNT
       // the sums of squares: ~40 instructions on 4 warps per tile where a loop over the 400 values
@@ -700,29 +728,32 @@ __global__ void __launch_bounds__(kThreads, kRowsCtasPerSm) mhc_rows_kernel(cons
   }
 }
 
-// A pre (local or SP) or the head with fn staged: kPreTeams teams of kThreads threads per CTA on
-// one fn slice (mhc_rows' kTeams), one CTA per SM: the 16 warps per SM of two one-team CTAs, the
-// space of the second 96 KB fn copy holding the pre's x stages. 120 registers, no spills. Same
+// The head with fn staged: kPreTeams teams of kThreads threads per CTA on one fn slice (mhc_rows'
+// kTeams), one CTA per SM: the 16 warps per SM of two one-team CTAs on one 96 KB fn copy. Same
 // tiles, same per-tile code: the same bits. Three teams (24 warps, at the 80-register cap) were no
 // faster (ab_teams_2026-11-30).
 constexpr int kPreTeams = 2;
 
-// Dynamic shared memory of the teams kernel: fn, and for a pre (not the head) each team's x stage.
-template <bool kHead>
-inline size_t teams_smem_bytes(int hidden) {
-  return fn_smem_bytes<kHead>(hidden) + (kHead ? 0 : (size_t)kPreTeams * 2 * kHC * kThreads * sizeof(uint4));
-}
-
-template <bool kHead>
 __global__ void __launch_bounds__(kThreads* kPreTeams, 1) mhc_rows_teams_kernel(const __grid_constant__ TileArgs a) {
   pdl_wait();
   pdl_launch_dependents();  // pass 2 (see mhc_rows_kernel)
   const int S = a.slices, slice = blockIdx.x % S, nvec = a.hidden >> 3;
   const int v0 = slice * nvec / S;
-  stage_fn_slice<kHead>(a, v0, (slice + 1) * nvec / S - v0, slice_groups(a.hidden, S));
+  stage_fn_slice<true>(a, v0, (slice + 1) * nvec / S - v0, slice_groups(a.hidden, S));
   gather_push_sync(a);
-  mhc_rows<YSrc::kNone, false, true, kHead, FnSrc::kShared, kPreTeams>(a);
+  mhc_rows<YSrc::kNone, false, true, true, FnSrc::kShared, kPreTeams>(a);
 }
+
+// A pre's (local or SP) tile loop: one team of kThreads threads per CTA, one CTA per SM, each
+// thread's 96 registers of fn fragments loaded once, x through mhc_rows' ring (221 registers, no
+// spills). The same fragments in the same mma order: the same bits as the other kernels.
+__global__ void __launch_bounds__(kThreads, 1) mhc_rows_fnreg_kernel(const __grid_constant__ TileArgs a) {
+  pdl_wait();
+  pdl_launch_dependents();  // pass 2 (see mhc_rows_kernel)
+  gather_push_sync(a);
+  mhc_rows<YSrc::kNone, false, true, false, FnSrc::kRegs>(a);
+}
+constexpr size_t kFnRegSmemBytes = (size_t)kFnRegRing * 2 * kHC * kThreads * sizeof(uint4);
 
 // mhc_post alone at decode sizes (T <= kPostRowRows): a thread per 8-column vector of one token,
 // every load of it (4 stream vectors, y, the token's 20 mixes) in one round, then its 4 stores; no
