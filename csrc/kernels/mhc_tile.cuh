@@ -734,7 +734,8 @@ __global__ void __launch_bounds__(kThreads, kRowsCtasPerSm) mhc_rows_kernel(cons
 // faster (ab_teams_2026-11-30).
 constexpr int kPreTeams = 2;
 
-__global__ void __launch_bounds__(kThreads* kPreTeams, 1) mhc_rows_teams_kernel(const __grid_constant__ TileArgs a) {
+static __global__ void __launch_bounds__(kThreads* kPreTeams, 1)
+    mhc_rows_teams_kernel(const __grid_constant__ TileArgs a) {
   pdl_wait();
   pdl_launch_dependents();  // pass 2 (see mhc_rows_kernel)
   const int S = a.slices, slice = blockIdx.x % S, nvec = a.hidden >> 3;
@@ -747,7 +748,7 @@ __global__ void __launch_bounds__(kThreads* kPreTeams, 1) mhc_rows_teams_kernel(
 // A pre's (local or SP) tile loop: one team of kThreads threads per CTA, one CTA per SM, each
 // thread's 96 registers of fn fragments loaded once, x through mhc_rows' ring (221 registers, no
 // spills). The same fragments in the same mma order: the same bits as the other kernels.
-__global__ void __launch_bounds__(kThreads, 1) mhc_rows_fnreg_kernel(const __grid_constant__ TileArgs a) {
+static __global__ void __launch_bounds__(kThreads, 1) mhc_rows_fnreg_kernel(const __grid_constant__ TileArgs a) {
   pdl_wait();
   pdl_launch_dependents();  // pass 2 (see mhc_rows_kernel)
   gather_push_sync(a);
