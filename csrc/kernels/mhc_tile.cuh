@@ -746,7 +746,7 @@ static __global__ void __launch_bounds__(kThreads* kPreTeams, 1)
 }
 
 // A pre's (local or SP) tile loop: one team of kThreads threads per CTA, one CTA per SM, each
-// thread's 96 registers of fn fragments loaded once, x through mhc_rows' ring (221 registers, no
+// thread's 96 registers of fn fragments loaded once, x through mhc_rows' ring (217 registers, no
 // spills). The same fragments in the same mma order: the same bits as the other kernels.
 static __global__ void __launch_bounds__(kThreads, 1) mhc_rows_fnreg_kernel(const __grid_constant__ TileArgs a) {
   pdl_wait();
