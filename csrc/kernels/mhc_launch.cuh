@@ -141,12 +141,12 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   size_t smem = rows_smem_bytes<kSrc, kPost, kPre, kHead>(D);
   int grid = a.slices * a.groups * a.parts, block = kThreads;
   if constexpr (kSrc == YSrc::kNone && !kPost && kPre) {
-    // A pre or head without a post, fn staged, one CTA per SM, where the CTAs' teams are fewer
-    // than half the tiles: a pre on mhc_rows_fnreg_kernel (one team, fn in registers, x through a
-    // ring; ab_fnreg_2026-11-30), the head on mhc_rows_teams_kernel (kPreTeams teams on one fn
-    // copy in shared memory; ab_cpx_2026-11-30). A CTA per (slice, tile set) leaves SMs mod S idle;
-    // the units split evenly over every SM instead were 1-11% slower (ab_even_2026-11-30.txt):
-    // this order keeps all slices on one window of tiles.
+    // A pre or head without a post, fn staged, one CTA per SM, where a slice has more than
+    // kPreTeams tiles per SM of its own: a pre on mhc_rows_fnreg_kernel (one team, fn in
+    // registers, x through a ring; ab_fnreg_2026-11-30), the head on mhc_rows_teams_kernel
+    // (kPreTeams teams on one fn copy in shared memory; ab_cpx_2026-11-30). A CTA per (slice, tile
+    // set) leaves SMs mod S idle; the units split evenly over every SM instead were 1-11% slower
+    // (ab_even_2026-11-30.txt): this order keeps all slices on one window of tiles.
     constexpr int kTeams = kHead ? kPreTeams : 1;
     void (*const k)(TileArgs) = kHead ? mhc_rows_teams_kernel : mhc_rows_fnreg_kernel;
     const size_t k_smem = kHead ? fn_smem_bytes<kHead>(D) : kFnRegSmemBytes;
