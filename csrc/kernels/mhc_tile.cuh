@@ -843,6 +843,24 @@ __device__ __forceinline__ float rms_scale(float sum_sq, const TileArgs& a) {
   return 1.0f / sqrtf(sum_sq / (float)(kHC * a.hidden) + a.eps.rms_eps);
 }
 
+// The site's coefficient scales and biases into shared memory (threads below kValid).
+template <bool kHead>
+__device__ __forceinline__ void stage_site(const TileArgs& a, float* s_scale, float* s_base) {
+  if (threadIdx.x < FnRows<kHead>::kValid) s_base[threadIdx.x] = a.base[threadIdx.x];
+  if (threadIdx.x < (kHead ? 1 : 3)) s_scale[threadIdx.x] = a.scale[threadIdx.x];
+}
+
+// A pre's post weight and Sinkhorn row q of `row` (m: its summed values, rr: its RMS factor) into
+// post_mix and res_mix.
+__device__ __forceinline__ void store_post_res(const TileArgs& a, int row, int q, const float* m, float rr,
+                                               const float* s_scale, const float* s_base) {
+  float post, res[kHC];
+  mhc_post_res_row(m, rr, s_scale, s_base, a.eps, q, post, res);
+  a.post_mix[row * kHC + q] = post;
+#pragma unroll
+  for (int j = 0; j < kHC; ++j) a.res_mix[(row * kHC + q) * kHC + j] = res[j];
+}
+
 // Coefficients of `row` (the row kernel). Threads k < kVals sum value k's S partials (in slice
 // order, ws_sum) into s_m; then the coefficient warp (its first quad, a lane per stream) puts the
 // collapse weights in s_coef and releases the collapse threads (kBarCoef), and only then computes
@@ -855,8 +873,7 @@ __device__ __forceinline__ bool collapse_coefficients(const TileArgs& a, int row
   constexpr int kVals = FnRows<kHead>::kVals;
   __shared__ float s_scale[3], s_base[kMix];
   const int tid = threadIdx.x;
-  if (tid < FnRows<kHead>::kValid) s_base[tid] = a.base[tid];
-  if (tid < (kHead ? 1 : 3)) s_scale[tid] = a.scale[tid];
+  stage_site<kHead>(a, s_scale, s_base);
   if (tid < kVals) s_m[tid] = ws_sum<kHead>(a, row, tid);
   __syncthreads();
   if (tid < kCollapseThreads) {
@@ -872,11 +889,7 @@ __device__ __forceinline__ bool collapse_coefficients(const TileArgs& a, int row
   if constexpr (!kHead) {
     if (!quad0) return false;
     a.pre_mix[row * kHC + i] = pre;
-    float post, res[kHC];
-    mhc_post_res_row(s_m, rr, s_scale, s_base, a.eps, i, post, res);
-    a.post_mix[row * kHC + i] = post;
-#pragma unroll
-    for (int j = 0; j < kHC; ++j) a.res_mix[(row * kHC + i) * kHC + j] = res[j];
+    store_post_res(a, row, i, s_m, rr, s_scale, s_base);
   }
   return false;
 }
@@ -1119,8 +1132,7 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
   const bool collapser = tid < kCollapseThreads;
   // A pre's first row before pdl_wait (not on the TP exit-barrier CTA).
   if (collapser && early && (int)blockIdx.x < stride && (int)blockIdx.x < n) load_row(collapse_block(a, blockIdx.x, n));
-  if (tid < FnRows<kHead>::kValid) s_base[tid] = a.base[tid];
-  if (tid < (kHead ? 1 : 3)) s_scale[tid] = a.scale[tid];
+  stage_site<kHead>(a, s_scale, s_base);
   __syncthreads();
   if (!collapse_prologue<kGather>(a)) return;
   if (!collapser) {  // the coefficient warp
@@ -1141,12 +1153,7 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
       // row (one row at a time, the 20 sweeps paced the rows).
       if (const int r = lane >> 2; !kHead && (slot == kQuadRows - 1 || i + stride >= n) && r <= slot) {
         const int rrow = collapse_block(a, i - (slot - r) * stride, n), q = lane & 3;
-        const float rr = rms_scale(s_m[r][kRows], a);
-        float post, res[kHC];
-        mhc_post_res_row(s_m[r], rr, s_scale, s_base, a.eps, q, post, res);
-        a.post_mix[rrow * kHC + q] = post;
-#pragma unroll
-        for (int j = 0; j < kHC; ++j) a.res_mix[(rrow * kHC + q) * kHC + j] = res[j];
+        store_post_res(a, rrow, q, s_m[r], rms_scale(s_m[r][kRows], a), s_scale, s_base);
       }
       __syncwarp();  // s_m[slot] is read before the slot comes round again
     }
