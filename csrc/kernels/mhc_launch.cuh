@@ -21,6 +21,16 @@ inline bool debug_enabled() {
   return on;
 }
 
+// SPK_EVENREG=1: a pre's pass 1 on mhc_rows_fnreg_kernel over every SM (a.groups = 0). A
+// temporary A/B knob; every rank must set it alike.
+inline bool evenreg_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("SPK_EVENREG");
+    return v != nullptr && v[0] != '\0' && v[0] != '0';
+  }();
+  return on;
+}
+
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead>
 inline size_t rows_smem_bytes(int hidden) {
   return kPre ? fn_smem_bytes<kHead>(hidden) : 0;
@@ -156,6 +166,10 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
       rows = k;
       a.groups = per_slice * kTeams;
       grid = a.slices * per_slice;
+      if (!kHead && evenreg_enabled() && resident % a.slices != 0) {  // every SM (mhc_rows_fnreg_kernel)
+        a.groups = 0;
+        grid = resident;
+      }
       block = kThreads * kTeams;
       smem = k_smem;
     }

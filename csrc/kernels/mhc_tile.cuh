@@ -109,6 +109,12 @@ struct TileArgs {
   LsaArgs lsa;
 };
 
+// The tiles of one column slice that a CTA of mhc_rows_fnreg_kernel runs in one pass of its tile
+// loop: first, first + step, ... below end (its fn fragments loaded once per run).
+struct TileRun {
+  int slice, first, step, end;
+};
+
 // fn rows padded to whole mma n-tiles: 24 for pre, 4 -> 8 for the head; +1 workspace value (sum x^2).
 template <bool kHead>
 struct FnRows {
@@ -260,8 +266,10 @@ __device__ __forceinline__ void bar_sync(int id, int count) {
 // kTeams > 1 (mhc_rows_teams_kernel, the head): the CTA is kTeams teams of kThreads threads on one staged fn
 // slice, team k of CTA b acting as CTA ((b / S) * kTeams + k) * S + b % S of the one-team grid; each
 // team has its own reduction buffers and syncs on named barrier 1 + k.
+//
+// kFn == FnSrc::kRegs runs the tiles of `run`; every other kernel CTA (g, s)'s tiles g, g + G, ...
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead, FnSrc kFn, int kTeams = 1>
-__device__ __forceinline__ void mhc_rows(const TileArgs& a) {
+__device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run = {}) {
   constexpr int kRows = FnRows<kHead>::kRows;
   constexpr int kVals = FnRows<kHead>::kVals;
   constexpr int kNT = kRows / 8;
@@ -287,13 +295,34 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
   const int parts = a.parts, part = blockIdx.x % parts;
   const int cta =
       kTeams == 1 ? blockIdx.x / parts : ((blockIdx.x / a.slices) * kTeams + team) * a.slices + blockIdx.x % a.slices;
-  const int S = a.slices, slice = cta % S;
+  constexpr bool kRun = kFn == FnSrc::kRegs;
+  const int S = a.slices, slice = kRun ? run.slice : cta % S;
   const int tid = kTeams == 1 ? threadIdx.x : threadIdx.x % kThreads;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int D = a.hidden, nvec = D >> 3, T = a.num_tokens;
   const int v0 = slice * nvec / S, W = (slice + 1) * nvec / S - v0;
   const int gmax = slice_groups(D, S);
   const int num_tiles = (T + kTileTokens - 1) / kTileTokens;
+  // The tiles: `run`'s (kRegs), else CTA (g, s)'s, each read where it is used as before the runs
+  // (held in registers, they moved the decode TP boundary's pass 1 to 20 bytes of spills).
+  auto first = [&] {
+    if constexpr (kRun)
+      return run.first;
+    else
+      return cta / S;
+  };
+  auto step = [&] {
+    if constexpr (kRun)
+      return run.step;
+    else
+      return a.groups;
+  };
+  auto tile_end = [&] {
+    if constexpr (kRun)
+      return run.end;
+    else
+      return num_tiles;
+  };
   const size_t srow = (size_t)kHC * D;
   const int vec = warp * 4 + t;  // this thread's vector of the slice (per stream)
   const size_t col = (size_t)(v0 + vec) * 8;
@@ -322,7 +351,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
   static_assert(!kStageX || (kSrc == YSrc::kNone && !kPost && !kHead), "the ring: a pre's x");
   uint4* const x_stage = s_fn;                 // mhc_rows_fnreg_kernel's dynamic shared memory is the ring
   auto issue_tile = [&](int tile, int slot) {  // and commit; only the commit past the last tile
-    if (tile < num_tiles) {
+    if (tile < tile_end()) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = tile * kTileTokens + g + 8 * h;
@@ -363,10 +392,10 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
   // slower than their L2 prefetch below, so they keep it; a post_pre rewrites x anyway).
   static_assert(!(kHead && kPost), "the head is a pre without a post");
   constexpr bool kPipe = kHead;
-  if (kPipe && cta / S < num_tiles) load_tile(cta / S * kTileTokens, 0);
+  if (kPipe && first() < tile_end()) load_tile(first() * kTileTokens, 0);
   if constexpr (kStageX)
 #pragma unroll
-    for (int r = 0; r < kRing; ++r) issue_tile(cta / S + r * a.groups, r);
+    for (int r = 0; r < kRing; ++r) issue_tile(first() + r * step(), r);
   // kRegs: this thread's fn fragments, loaded once (a warp past the slice's columns adds zeros).
   uint4 fq[kFn == FnSrc::kRegs ? kHC : 1][kNT][2];
   if constexpr (kFn == FnSrc::kRegs)
@@ -378,8 +407,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
 #pragma unroll
           for (int s = 0; s < 2; ++s) fq[i][p][s] = fn_fragment<kHead>(a, i, p * 8 + g, vec, s, v0, W);
 
-  for (int tile = cta / S, buf = 0, slot = 0; tile < num_tiles;
-       tile += a.groups, buf ^= 1, slot = slot + 1 < kRing ? slot + 1 : 0) {
+  for (int tile = first(), buf = 0, slot = 0; tile < tile_end();
+       tile += step(), buf ^= 1, slot = slot + 1 < kRing ? slot + 1 : 0) {
     const int row_base = tile * kTileTokens;
     if constexpr (!kPipe) load_tile(row_base, slot);
     // The CTA's next tile into L2 while this one computes: one bulk prefetch per (token, stream)
@@ -391,7 +420,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
     // mhc_pre 231 -> 225 us, post_pre 364 -> 353, SP boundary 347 -> 338).
     constexpr int kPer = kHC + (kSrc == YSrc::kLocal ? 1 : 0);  // ranges per token: streams, y
     static_assert(kTileTokens * kPer % kWarps == 0, "whole shares per warp");
-    if (const int next = row_base + a.groups * kTileTokens;
+    if (const int next = row_base + step() * kTileTokens;
         kPre && !kPipe && !kStageX && next < T && lane < kTileTokens * kPer / kWarps) {
       const int k = lane * kWarps + warp, row = next + k / kPer, i = k % kPer;
       if (row < T && i < kHC)
@@ -553,7 +582,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
       // sq[h]: this warp's sum of squares of token 8h + g in thread (g, g / 2), from D[g][g] (sqa: c0 /
       // c1) and D[g + 8][g] (sqb: c2 / c3).
       float sq[2] = {0.f, 0.f};
-      auto diagonal = [&](const float(&sqa)[2][4], const float(&sqb)[2][4]) {
+      auto diagonal = [&](const float (&sqa)[2][4], const float (&sqb)[2][4]) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) sq[h] = g & 1 ? sqa[h][1] + sqb[h][3] : sqa[h][0] + sqb[h][2];
       };
@@ -562,20 +591,20 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
       const int p0 = kFn == FnSrc::kParts ? part : 0;
       constexpr int np = kFn == FnSrc::kParts ? 1 : kNT;
       float v[kNT][2][2];
-      auto fold = [&](const float(&c)[2][4], int p) {
+      auto fold = [&](const float (&c)[2][4], int p) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           v[p][h][0] = c[h][0] + c[h][2];
           v[p][h][1] = c[h][1] + c[h][3];
         }
       };
-      auto squares = [](float(&sqa)[4], float(&sqb)[4], const uint4& v) {
+      auto squares = [](float (&sqa)[4], float (&sqb)[4], const uint4& v) {
         mma_bf16_1688(sqa, v.x, v.y, v.x);
         mma_bf16_1688(sqb, v.x, v.y, v.y);
         mma_bf16_1688(sqa, v.z, v.w, v.z);
         mma_bf16_1688(sqb, v.z, v.w, v.w);
       };
-      auto products = [&](float(&c)[2][4], const uint4& q0, const uint4& q1, int i) {
+      auto products = [&](float (&c)[2][4], const uint4& q0, const uint4& q1, int i) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           mma_bf16_16816(c[h], q0.x, q0.y, q0.z, q0.w, x[h][i].x, x[h][i].y);
@@ -628,9 +657,9 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a) {
         diagonal(sqa, sqb);
       }
       if constexpr (kPipe)
-        if (tile + a.groups < num_tiles) load_tile(row_base + a.groups * kTileTokens, 0);
+        if (tile + step() < tile_end()) load_tile(row_base + step() * kTileTokens, 0);
       if constexpr (kStageX)  // every mma has read its x from the registers: the slot is free
-        issue_tile(tile + kRing * a.groups, slot);
+        issue_tile(tile + kRing * step(), slot);
       // Warps 4..7 write, then warps 0..3 add: half the buffer. Then warp w < kNT completes rows
       // 8w..8w+7 (0 + p0 + p1 + p2 + p3, p_w = a_{w+4} + a_w) in its own mma layout and warp kNT
       // the sums of squares: ~40 instructions on 4 warps per tile where a loop over the 400 values
@@ -748,11 +777,48 @@ static __global__ void __launch_bounds__(kThreads* kPreTeams, 1)
 // A pre's (local or SP) tile loop: one team of kThreads threads per CTA, one CTA per SM, each
 // thread's 96 registers of fn fragments loaded once, x through mhc_rows' ring (217 registers, no
 // spills). The same fragments in the same mma order: the same bits as the other kernels.
+//
+// a.groups > 0: CTA b runs slice b % S's tiles b / S, b / S + G, ... (G = a.groups CTAs per slice;
+// gridDim.x = S * G, SMs mod S idle). a.groups == 0 (evenreg): every SM works. With K = gridDim.x
+// / S, CTA b < S * K strides its home slice's tiles below M = K * ceil(S * N / gridDim.x) by K
+// (all slices on one window of tiles, as above), and the R = gridDim.x - S * K others split the
+// slices' tails [M, N) slice-major into contiguous runs, reloading fn at a slice change (at most
+// a few runs): D = 7168, T = 8192 at most 110 tiles per CTA where a.groups = 4 gives 128.
 static __global__ void __launch_bounds__(kThreads, 1) mhc_rows_fnreg_kernel(const __grid_constant__ TileArgs a) {
   pdl_wait();
   pdl_launch_dependents();  // pass 2 (see mhc_rows_kernel)
   gather_push_sync(a);
-  mhc_rows<YSrc::kNone, false, true, false, FnSrc::kRegs>(a);
+  const int S = a.slices, N = (a.num_tokens + kTileTokens - 1) / kTileTokens, b = blockIdx.x;
+  TileRun run{b % S, b / S, a.groups, N};
+  long long u = 0, u_end = 0;  // a helper's units [u, u_end) of the tails, `tail` tiles per slice
+  int tail = 1;
+  auto next_run = [&] {
+    const int s = (int)(u / tail), first = N - tail + (int)(u % tail);
+    const int n = (int)min(u_end - u, (long long)(N - first));
+    u += n;
+    return TileRun{s, first, 1, first + n};
+  };
+  if (a.groups == 0) {
+    const int G = gridDim.x, K = G / S, M = min(N, K * ((S * N + G - 1) / G));
+    if (b < S * K) {
+      run.step = K;
+      run.end = M;
+    } else if (M < N) {
+      tail = N - M;
+      const long long R = G - S * K, U = (long long)S * tail, r = b - S * K;
+      u = r * U / R;
+      u_end = (r + 1) * U / R;
+      run = next_run();
+    } else {
+      run.end = 0;  // nothing left for the helpers
+    }
+  }
+  for (;;) {  // one call site: the tile loop is inlined once
+    if (run.first < run.end) mhc_rows<YSrc::kNone, false, true, false, FnSrc::kRegs>(a, run);
+    if (u >= u_end) break;
+    __syncthreads();  // the last run's reduction buffers are read before the next run writes them
+    run = next_run();
+  }
 }
 constexpr size_t kFnRegSmemBytes = (size_t)kFnRegRing * 2 * kHC * kThreads * sizeof(uint4);
 
