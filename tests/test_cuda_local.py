@@ -237,6 +237,22 @@ def test_rows_do_not_depend_on_T(mhc, D):
         assert torch.equal(ops.mhc_head(stream[:t], *head_args), full_head[:t]), f"mhc_head T={t}"
 
 
+@pytest.mark.parametrize("D", [4096, 5120, 7168])
+def test_pre_split_over_every_sm(mhc, D):
+    """From 512 tiles (T > 8176) a pre's pass 1 runs on every SM: the CTAs left over by the column
+    slices take the slices' last tiles in runs (mhc_rows_fnreg_kernel). Every row, the runs' rows
+    too, is bitwise the row of two smaller calls (the strided split, checked against the
+    reference above); T odd, so the last tile is partial."""
+    T = 8195
+    stream, site, pmi = inputs(mhc, T, D)
+    pre_args = (site["fn"], site["scale"], site["base"], site["norm_weight"])
+    full = ops.mhc_pre(stream, *pre_args, pmi)
+    for lo, hi in ((0, 4099), (4099, T)):
+        part = ops.mhc_pre(stream[lo:hi], *pre_args, None if pmi is None else pmi[lo:hi])
+        for got, want in zip(part, full, strict=True):
+            assert torch.equal(got, want[lo:hi]), f"mhc_pre rows {lo}..{hi}"
+
+
 @pytest.mark.parametrize("D", [64, 5120])
 @pytest.mark.parametrize("variant", ["norm", "plain", "pre_mix_in"])
 def test_loop_collapse_matches_row_kernel(mhc, D, variant):

@@ -21,16 +21,6 @@ inline bool debug_enabled() {
   return on;
 }
 
-// SPK_EVENREG=1: a pre's pass 1 on mhc_rows_fnreg_kernel over every SM (a.groups = 0). A
-// temporary A/B knob; every rank must set it alike.
-inline bool evenreg_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("SPK_EVENREG");
-    return v != nullptr && v[0] != '\0' && v[0] != '0';
-  }();
-  return on;
-}
-
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead>
 inline size_t rows_smem_bytes(int hidden) {
   return kPre ? fn_smem_bytes<kHead>(hidden) : 0;
@@ -155,8 +145,8 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
     // kPreTeams tiles per SM of its own: a pre on mhc_rows_fnreg_kernel (one team, fn in
     // registers, x through a ring; ab_fnreg_2026-11-30), the head on mhc_rows_teams_kernel
     // (kPreTeams teams on one fn copy in shared memory; ab_cpx_2026-11-30). A CTA per (slice, tile
-    // set) leaves SMs mod S idle; the units split evenly over every SM instead were 1-11% slower
-    // (ab_even_2026-11-30.txt): this order keeps all slices on one window of tiles.
+    // set) leaves SMs mod S idle. From kEvenMinTiles tiles a pre's pass 1 runs on every SM
+    // (a.groups = 0: the others take the slices' tails, mhc_rows_fnreg_kernel).
     constexpr int kTeams = kHead ? kPreTeams : 1;
     void (*const k)(TileArgs) = kHead ? mhc_rows_teams_kernel : mhc_rows_fnreg_kernel;
     const size_t k_smem = kHead ? fn_smem_bytes<kHead>(D) : kFnRegSmemBytes;
@@ -166,7 +156,7 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
       rows = k;
       a.groups = per_slice * kTeams;
       grid = a.slices * per_slice;
-      if (!kHead && evenreg_enabled() && resident % a.slices != 0) {  // every SM (mhc_rows_fnreg_kernel)
+      if (!kHead && num_tiles >= kEvenMinTiles && resident % a.slices != 0) {  // every SM, from 512 tiles
         a.groups = 0;
         grid = resident;
       }

@@ -774,16 +774,24 @@ static __global__ void __launch_bounds__(kThreads* kPreTeams, 1)
   mhc_rows<YSrc::kNone, false, true, true, FnSrc::kShared, kPreTeams>(a);
 }
 
+// mhc_rows_fnreg_kernel splits its tiles over every SM from this many tiles (T > 8176): mhc_pre
+// T = 8192 / 16384 at D = 7168 3% / 5% faster, D = 4096 and 5120 level to 2% faster; below it the
+// runs' fn reloads cost more than the idle SMs (T = 1024, D = 5120 / 7168: 4-5% slower;
+// bench/results/ab_evenreg_2026-12-01.txt).
+constexpr int kEvenMinTiles = 512;
+
 // A pre's (local or SP) tile loop: one team of kThreads threads per CTA, one CTA per SM, each
-// thread's 96 registers of fn fragments loaded once, x through mhc_rows' ring (217 registers, no
-// spills). The same fragments in the same mma order: the same bits as the other kernels.
+// thread's 96 registers of fn fragments loaded once per run, x through mhc_rows' ring (229
+// registers, no spills). The same fragments in the same mma order: the same bits as the other
+// kernels.
 //
 // a.groups > 0: CTA b runs slice b % S's tiles b / S, b / S + G, ... (G = a.groups CTAs per slice;
-// gridDim.x = S * G, SMs mod S idle). a.groups == 0 (evenreg): every SM works. With K = gridDim.x
-// / S, CTA b < S * K strides its home slice's tiles below M = K * ceil(S * N / gridDim.x) by K
-// (all slices on one window of tiles, as above), and the R = gridDim.x - S * K others split the
-// slices' tails [M, N) slice-major into contiguous runs, reloading fn at a slice change (at most
-// a few runs): D = 7168, T = 8192 at most 110 tiles per CTA where a.groups = 4 gives 128.
+// gridDim.x = S * G, SMs mod S idle). a.groups == 0 (from kEvenMinTiles tiles): every SM works.
+// With K = gridDim.x / S, CTA b < S * K strides its home slice's tiles below
+// M = K * ceil(S * N / gridDim.x) by K (all slices on one window of tiles, as above), and the
+// R = gridDim.x - S * K others split the slices' tails [M, N) slice-major into contiguous runs,
+// reloading fn at a slice change (at most a few runs): D = 7168, T = 8192 at most 109 tiles per
+// CTA where a.groups = 4 gives 128.
 static __global__ void __launch_bounds__(kThreads, 1) mhc_rows_fnreg_kernel(const __grid_constant__ TileArgs a) {
   pdl_wait();
   pdl_launch_dependents();  // pass 2 (see mhc_rows_kernel)
