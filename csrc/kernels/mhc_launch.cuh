@@ -145,8 +145,8 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
     // kPreTeams tiles per SM of its own: a pre on mhc_rows_fnreg_kernel (one team, fn in
     // registers, x through a ring; ab_fnreg_2026-11-30), the head on mhc_rows_teams_kernel
     // (kPreTeams teams on one fn copy in shared memory; ab_cpx_2026-11-30). A CTA per (slice, tile
-    // set) leaves SMs mod S idle. From kEvenMinTiles tiles a pre's pass 1 runs on every SM
-    // (a.groups = 0: the others take the slices' tails, mhc_rows_fnreg_kernel).
+    // set) leaves SMs mod S idle; where that is worth it (even_split), a pre's pass 1 runs on
+    // every SM (a.groups = 0: the others take the slices' tails, mhc_rows_fnreg_kernel).
     constexpr int kTeams = kHead ? kPreTeams : 1;
     void (*const k)(TileArgs) = kHead ? mhc_rows_teams_kernel : mhc_rows_fnreg_kernel;
     const size_t k_smem = kHead ? fn_smem_bytes<kHead>(D) : kFnRegSmemBytes;
@@ -156,7 +156,7 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
       rows = k;
       a.groups = per_slice * kTeams;
       grid = a.slices * per_slice;
-      if (!kHead && num_tiles >= kEvenMinTiles && resident % a.slices != 0) {  // every SM, from 512 tiles
+      if (!kHead && even_split(num_tiles, a.slices, resident)) {  // every SM
         a.groups = 0;
         grid = resident;
       }

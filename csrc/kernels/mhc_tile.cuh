@@ -774,11 +774,15 @@ static __global__ void __launch_bounds__(kThreads* kPreTeams, 1)
   mhc_rows<YSrc::kNone, false, true, true, FnSrc::kShared, kPreTeams>(a);
 }
 
-// mhc_rows_fnreg_kernel splits its tiles over every SM from this many tiles (T > 8176): mhc_pre
-// T = 8192 / 16384 at D = 7168 3% / 5% faster, D = 4096 and 5120 level to 2% faster; below it the
-// runs' fn reloads cost more than the idle SMs (T = 1024, D = 5120 / 7168: 4-5% slower;
-// bench/results/ab_evenreg_2026-12-01.txt).
-constexpr int kEvenMinTiles = 512;
+// mhc_rows_fnreg_kernel splits its tiles over every SM (a.groups = 0) from 512 tiles (T > 8176)
+// where the strided grid leaves at least 1/12 of the SMs idle (H200: D = 5120, 12 of 132; 7168,
+// 20). mhc_pre T = 8192 / 16384 at D = 7168 3% / 5% faster, D = 5120 1% / 2-3%; with fewer tiles
+// the runs' fn reloads cost more than the idle SMs give (T = 1024, D = 5120 / 7168: 4-5% slower),
+// and D = 4096's 4 idle SMs take a tile per CTA off (64 -> 63 at T = 8192) for 4 fn reloads each
+// (mhc_pre_ag T = 16384 level to 4% slower): bench/results/ab_evenreg_2026-12-01.txt.
+__host__ __device__ inline bool even_split(int num_tiles, int slices, int resident) {
+  return num_tiles >= 512 && resident % slices * 12 >= resident;
+}
 
 // A pre's (local or SP) tile loop: one team of kThreads threads per CTA, one CTA per SM, each
 // thread's 96 registers of fn fragments loaded once per run, x through mhc_rows' ring (229
@@ -786,7 +790,7 @@ constexpr int kEvenMinTiles = 512;
 // kernels.
 //
 // a.groups > 0: CTA b runs slice b % S's tiles b / S, b / S + G, ... (G = a.groups CTAs per slice;
-// gridDim.x = S * G, SMs mod S idle). a.groups == 0 (from kEvenMinTiles tiles): every SM works.
+// gridDim.x = S * G, SMs mod S idle). a.groups == 0 (even_split): every SM works.
 // With K = gridDim.x / S, CTA b < S * K strides its home slice's tiles below
 // M = K * ceil(S * N / gridDim.x) by K (all slices on one window of tiles, as above), and the
 // R = gridDim.x - S * K others split the slices' tails [M, N) slice-major into contiguous runs,
