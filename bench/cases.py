@@ -82,9 +82,15 @@ _compiled: dict[Callable, Callable] = {}
 
 
 def compiled(fn: Callable) -> Callable:
-    # One torch.compile wrapper per function; automatic dynamic shapes make the second token count
-    # recompile with a symbolic T, so a sweep costs ~2 compilations per function, not one per T.
+    # One torch.compile wrapper per function, primed per D with a symbolic T (prime_compiled), so a
+    # sweep costs ~2 compilations per function and D (T = 1 specialises), not one per T. Automatic
+    # dynamic shapes off: with it, the second D made D symbolic in one graph that then served every
+    # D (dynamo's cache belongs to the function's code, whatever the wrapper), and that code was
+    # 4-5x slower for mhc_post (compiled mhc_post T = 4096, D = 4096: 405 us in the three-D grid,
+    # 93-99 us compiled for that D alone). Each D now gets its own graph with D static.
     if fn not in _compiled:
+        torch._dynamo.config.automatic_dynamic_shapes = False
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         _compiled[fn] = torch.compile(fn, fullgraph=True)
     return _compiled[fn]
 
@@ -111,11 +117,10 @@ LOCAL_OF = {"mhc_post_rs": "mhc_post", "mhc_post_ar": "mhc_post", "mhc_pre_ag": 
             "mhc_post_pre_rs_ag": "mhc_post_pre", "mhc_post_pre_ar": "mhc_post_pre"}  # fmt: skip
 
 
-# The token count the compiled references are first called with. Inductor autotunes a pointwise
-# kernel's launch configs at its first call (triton.autotune_pointwise) and keeps the pick for every
-# later T of the symbolic graph. Primed at T = 2 the configs' timings were noise and the pick was a
-# coin toss: the compiled mhc_post took 325 us at T = 8192 in one sweep and 642-644 in the next two
-# (same torch, same reference). Primed at a prefill size, it is made where the targets are judged.
+# The token count the compiled references are first called with (per D). Inductor autotunes a
+# pointwise kernel's launch configs at its first call (triton.autotune_pointwise) and keeps the
+# pick for every later T of the symbolic graph: primed at T = 2 the configs' timings are noise.
+# Primed at a prefill size, the pick is made where the targets are judged.
 PRIME_TOKENS = 4096
 
 
