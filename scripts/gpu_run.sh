@@ -13,7 +13,8 @@
 # ("A=1 B=2;A=0": ';' between settings, the first is the base), ab_env<n>.json each, compared by
 # scripts/ab_table.py: a temporary knob's settings in one call (session 13's chunk and waves sweeps).
 # PROFILE_KERNELS="T:kernel ..." picks the targets of profile's ncu --set full (none: no such report);
-# PROFILE_D: the hidden size of those ncu targets (default 4096);
+# PROFILE_D: the hidden size of those ncu targets (default 4096); PROFILE_OPS: the op they run in
+# (profile_tile.py --ops: pre, post_pre or head; default pre);
 # PROFILE_T="T,..." the sizes of its per-kernel durations (PROFILE_DURATIONS=0 skips them);
 # PROFILE_CACHE=none keeps the caches warm between those kernels (ncu flushes them by default);
 # PROFILE_SP=0 skips its fused-boundary timeline.
@@ -146,7 +147,7 @@ if want profile && fits 90 profile; then
     for extra in --metrics=breakdown:lts__throughput.avg.pct_of_peak_sustained_elapsed,breakdown:l1tex__throughput.avg.pct_of_peak_sustained_active ""; do
       rm -f "$rep.ncu-rep"
       timeout 150 "$ncu" --clock-control none --set full --import-source yes -k "regex:$kernel" --launch-skip 1 \
-        ${extra:+"$extra"} --launch-count 1 -f -o "$rep" python3 scripts/profile_tile.py --T "$T" --D "${PROFILE_D:-4096}" --ops pre \
+        ${extra:+"$extra"} --launch-count 1 -f -o "$rep" python3 scripts/profile_tile.py --T "$T" --D "${PROFILE_D:-4096}" --ops "${PROFILE_OPS:-pre}" \
         >> "$OUT/ncu_profile.txt" 2>&1
       [[ -f $rep.ncu-rep ]] && break
     done
