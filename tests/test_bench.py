@@ -258,3 +258,39 @@ def test_readme_table_from_results():
     assert f"| {sp['speedup']:.2f}× | {sp['frac_of_floor']:.2f} |" in table[2]
     doc["rows"] = [r for r in doc["rows"] if r["op"] != "mhc_head"]
     assert "| `mhc_head` | 8192 | | not in this run |" in report.readme_table(doc)
+
+
+def test_compiled_references_one_graph_per_D(monkeypatch):
+    """The compiled baselines get a graph per D with D static and T symbolic, first called at a
+    prefill size: one graph serving every D (automatic dynamic shapes made D symbolic at the second
+    D) compiled mhc_post 4-5x slower on the GPU, and a first call at T = 2 autotuned it on noise."""
+    graphs = []
+
+    def backend(gm, example_inputs):  # records each graph's input shapes (symbolic); runs it uncompiled
+        values = (n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder")
+        graphs.append([tuple(v.shape) for v in values if isinstance(v, torch.Tensor)])
+        return gm.forward
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=backend, **kw))
+    monkeypatch.setattr(cases, "_compiled", {})
+    monkeypatch.setattr(cases, "PRIME_TOKENS", 64)  # small on the CPU; the GPU sweep primes at 4096
+    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", True)  # restored after
+    torch._dynamo.reset()
+    try:
+        cpu = torch.device("cpu")
+        for D in (16, 24):
+            params = cases.make_params(D, cpu)
+            cases.prime_compiled("mhc_post", D, params, cpu)
+            for T in (3, 40):  # no recompilation for another T
+                y = torch.randn(T, D).to(torch.bfloat16)
+                stream = torch.randn(T, cases.HC, D).to(torch.bfloat16)
+                post_mix, res_mix = cases.make_mixes(T, D, params, None, cpu)
+                cases.compiled(cases.ref_post)(y, stream, post_mix, res_mix)
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 2, graphs
+    for D, shapes in zip((16, 24), graphs, strict=True):  # [T, ...] inputs: T symbolic, the rest static
+        assert all(isinstance(s[0], torch.SymInt) for s in shapes), f"T not symbolic at D = {D}: {shapes}"
+        assert not any(isinstance(n, torch.SymInt) for s in shapes for n in s[1:]), f"D not static: {shapes}"
+        assert any(s[-1] == D for s in shapes), f"no [.., D] input at D = {D}: {shapes}"
