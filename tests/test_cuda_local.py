@@ -241,9 +241,9 @@ def test_rows_do_not_depend_on_T(mhc, D):
 def test_pre_split_over_every_sm(mhc, D):
     """From 512 tiles (T > 8176) a pre's pass 1 runs on every SM where the column slices leave
     enough of them idle (even_split; on an H200 at D = 5120 and 7168): the CTAs left over take the
-    slices' last tiles in runs (mhc_rows_fnreg_kernel). Every row, the runs' rows
-    too, is bitwise the row of two smaller calls (the strided split, checked against the
-    reference above); T odd, so the last tile is partial."""
+    slices' last tiles in runs (mhc_rows_fnreg_kernel). Every row, the runs' rows too, is bitwise
+    the row of two smaller calls (the strided split, checked against the reference above); T odd,
+    so the last tile is partial."""
     T = 8195
     stream, site, pmi = inputs(mhc, T, D)
     pre_args = (site["fn"], site["scale"], site["base"], site["norm_weight"])

@@ -582,7 +582,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
       // sq[h]: this warp's sum of squares of token 8h + g in thread (g, g / 2), from D[g][g] (sqa: c0 /
       // c1) and D[g + 8][g] (sqb: c2 / c3).
       float sq[2] = {0.f, 0.f};
-      auto diagonal = [&](const float (&sqa)[2][4], const float (&sqb)[2][4]) {
+      auto diagonal = [&](const float(&sqa)[2][4], const float(&sqb)[2][4]) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) sq[h] = g & 1 ? sqa[h][1] + sqb[h][3] : sqa[h][0] + sqb[h][2];
       };
@@ -591,20 +591,20 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
       const int p0 = kFn == FnSrc::kParts ? part : 0;
       constexpr int np = kFn == FnSrc::kParts ? 1 : kNT;
       float v[kNT][2][2];
-      auto fold = [&](const float (&c)[2][4], int p) {
+      auto fold = [&](const float(&c)[2][4], int p) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           v[p][h][0] = c[h][0] + c[h][2];
           v[p][h][1] = c[h][1] + c[h][3];
         }
       };
-      auto squares = [](float (&sqa)[4], float (&sqb)[4], const uint4& v) {
+      auto squares = [](float(&sqa)[4], float(&sqb)[4], const uint4& v) {
         mma_bf16_1688(sqa, v.x, v.y, v.x);
         mma_bf16_1688(sqb, v.x, v.y, v.y);
         mma_bf16_1688(sqa, v.z, v.w, v.z);
         mma_bf16_1688(sqb, v.z, v.w, v.w);
       };
-      auto products = [&](float (&c)[2][4], const uint4& q0, const uint4& q1, int i) {
+      auto products = [&](float(&c)[2][4], const uint4& q0, const uint4& q1, int i) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           mma_bf16_16816(c[h], q0.x, q0.y, q0.z, q0.w, x[h][i].x, x[h][i].y);
