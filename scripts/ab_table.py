@@ -3,7 +3,8 @@
     python scripts/ab_table.py base.json other.json [...]
 
 One line per (op, T, D, tp, mode) present in every file: each file's op time (µs) and its ratio
-to the first file's (< 1: faster than the first).
+to the first file's (< 1: faster than the first). A case the bench refused to time (wrong outputs,
+an error) reads "not timed".
 """
 
 from __future__ import annotations
@@ -14,16 +15,25 @@ from pathlib import Path
 from statistics import median
 
 
-def op_times(path: str) -> tuple[str, dict[tuple, float]]:
-    """(label, {(op, T, D, tp, mode): µs}) of one results file; an op timed against several
-    baselines appears once per baseline with the same time: the median is kept."""
+def op_times(path: str) -> tuple[str, dict[tuple, float | None]]:
+    """(label, {(op, T, D, tp, mode): µs, or None where it was not timed}) of one results file;
+    an op timed against several baselines appears once per baseline with the same time: the median
+    is kept."""
     data = json.loads(Path(path).read_text())
     times: dict[tuple, list[float]] = {}
     for r in data["rows"]:
         key = (r["op"], r["T"], r["D"], r["tp"], "graph" if r["graph"] else "eager")
-        times.setdefault(key, []).append(r["time_us"])
+        times.setdefault(key, [])
+        if r["time_us"] is not None:
+            times[key].append(r["time_us"])
     label = f"{Path(path).stem}@{data['machine'].get('commit', '?')}"
-    return label, {k: median(v) for k, v in times.items()}
+    return label, {k: median(v) if v else None for k, v in times.items()}
+
+
+def cell(us: float | None, base: float | None) -> str:
+    if us is None:
+        return "not timed"
+    return f"{us:10.1f} us ({us / base:5.2f}x)" if base is not None else f"{us:10.1f} us"
 
 
 def table(paths: list[str]) -> list[str]:
@@ -33,8 +43,8 @@ def table(paths: list[str]) -> list[str]:
     lines = [f"{'op':<22} {'T':>6} {'D':>5} {'tp':>2} {'mode':<5} {labels}"]
     for key in keys:
         base = runs[0][1][key]
-        cells = [f"{base:10.1f} us{'':>11}"]
-        cells += [f"{t[key]:10.1f} us ({t[key] / base:5.2f}x)" for _, t in runs[1:]]
+        cells = [f"{base:10.1f} us{'':>11}" if base is not None else "not timed"]
+        cells += [cell(t[key], base) for _, t in runs[1:]]
         op, T, D, tp, mode = key
         lines.append(f"{op:<22} {T:>6} {D:>5} {tp:>2} {mode:<5} " + " ".join(f"{c:>24}" for c in cells))
     return lines

@@ -124,6 +124,13 @@ def test_ab_table(tmp_path):
     assert len(lines) == 2, lines  # only the shape present in both files
     assert lines[1].split()[:5] == ["mhc_pre", "8", "64", "1", "graph"], lines[1]
     assert "10.0 us" in lines[1] and "5.0 us ( 0.50x)" in lines[1], lines[1]
+    # A case the bench refused to time (time_us null: wrong outputs) in either file.
+    wrong = write("c", "c3", [("mhc_pre", 8, 64, 1, True, None), ("mhc_post", 8, 64, 1, False, 2.0)])
+    lines = ab_table.table([base, wrong])
+    assert len(lines) == 3 and "not timed" in lines[2] and "10.0 us" in lines[2], lines
+    assert "2.0 us ( 0.50x)" in lines[1], lines
+    lines = ab_table.table([wrong, base])
+    assert "not timed" in lines[2] and "10.0 us" in lines[2] and "x)" not in lines[2], lines
 
 
 def test_traffic_formulas():
