@@ -86,7 +86,9 @@ if want ab && fits 60 ab; then
     name=$(basename "$d")
     if [[ $(cat "$d/build.rc") != 0 ]]; then echo "ab $name: BUILD FAILED"; tail -20 "$d/build.log"; continue; fi
     if (( ${#ab_tests[@]} )) && fits 60 "ab $name tests"; then
-      (cd "$d" && PYTHONPATH=$PWD/python SPK_BARRIER_TIMEOUT=30 timeout 240 python3 -m pytest -q -p no:cacheprovider \
+      # One -q (AB_TESTS with its own -q made -qq, which prints no summary line).
+      q=(-q); [[ " ${ab_tests[*]} " == *" -q "* ]] && q=()
+      (cd "$d" && PYTHONPATH=$PWD/python SPK_BARRIER_TIMEOUT=30 timeout 240 python3 -m pytest "${q[@]}" -p no:cacheprovider \
         "${ab_tests[@]}" 2>&1 | tail -1 | sed "s|^|ab $name tests: |" | tee -a "$OUT/machine.txt")
     fi
     fits 30 "ab $name" && ab_bench "$PWD/$d" "$name" "$(cat "$d/COMMIT")" && results+=("$OUT/ab_$name.json")

@@ -389,10 +389,32 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
   // The head reads x only in the mma phase: the next tile's loads go out right after it, into the
   // same registers, and are in flight through this tile's CTA sums and workspace stores (A/B on
   // 2xH200, T = 8192: mhc_head 173 -> 161 us; the same for mhc_pre and mhc_pre_ag was 4-6 %
-  // slower than their L2 prefetch below, so they keep it; a post_pre rewrites x anyway).
+  // slower than their L2 prefetch below, so they keep it). The local post_pre too, keeping the
+  // prefetch: its x is dead once the mma has read the new stream, so the next tile's old stream
+  // loads there (`mhc_post_pre` T >= 1024 1-10% faster, most at T = 16384; without the stream's
+  // prefetch 8-11% slower than before: bench/results/ab_pipepp_2026-12-01.txt). The fused
+  // post_pres (kPeers) are not measured so yet (runbook 22).
   static_assert(!(kHead && kPost), "the head is a pre without a post");
-  constexpr bool kPipe = kHead;
+  constexpr bool kPipe = kHead || (kPost && kPre && kSrc == YSrc::kLocal);
   if (kPipe && first() < tile_end()) load_tile(first() * kTileTokens, 0);
+  // A post's incoming mixes (post | res, kMixIn per token). The piped post_pre loads the next
+  // tile's right after the mma (this thread's idx = tid + k * kThreads), and the tile's top only
+  // stores them: level on their own (ab_pipepp), but with them loaded at the top the piped kernel
+  // spilled 16 bytes in its one-tile (FnSrc::kGlobal) form.
+  constexpr int kMixIn = kMix - kHC, kMixPer = (kTileTokens * kMixIn + kThreads - 1) / kThreads;
+  constexpr bool kMixAhead = kPipe && kPost;
+  auto mix_in = [&](int row, int c) {
+    return c < kHC ? a.post_mix_in[row * kHC + c] : a.res_mix_in[row * kHC * kHC + c - kHC];
+  };
+  float mix_next[kMixAhead ? kMixPer : 1];
+  auto load_mix = [&](int row_base, int k) {
+    const int idx = tid + k * kThreads, row = row_base + idx / kMixIn;
+    return idx < kTileTokens * kMixIn && row < T ? mix_in(row, idx % kMixIn) : 0.f;
+  };
+  if constexpr (kMixAhead)
+    if (first() < tile_end())
+#pragma unroll
+      for (int k = 0; k < kMixPer; ++k) mix_next[k] = load_mix(first() * kTileTokens, k);
   if constexpr (kStageX)
 #pragma unroll
     for (int r = 0; r < kRing; ++r) issue_tile(first() + r * step(), r);
@@ -421,7 +443,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
     constexpr int kPer = kHC + (kSrc == YSrc::kLocal ? 1 : 0);  // ranges per token: streams, y
     static_assert(kTileTokens * kPer % kWarps == 0, "whole shares per warp");
     if (const int next = row_base + step() * kTileTokens;
-        kPre && !kPipe && !kStageX && next < T && lane < kTileTokens * kPer / kWarps) {
+        kPre && (!kPipe || kPost) && !kStageX && next < T && lane < kTileTokens * kPer / kWarps) {
       const int k = lane * kWarps + warp, row = next + k / kPer, i = k % kPer;
       if (row < T && i < kHC)
         prefetch_l2(a.stream + row * srow + (size_t)i * D + (size_t)v0 * 8, W * 16);
@@ -458,11 +480,15 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
                                        : make_uint4(0, 0, 0, 0);
         }
       }
-      for (int idx = tid; idx < kTileTokens * (kMix - kHC); idx += kThreads) {
-        const int tok = idx / (kMix - kHC), c = idx % (kMix - kHC), row = row_base + tok;
-        float v = 0.f;
-        if (row < T) v = c < kHC ? a.post_mix_in[row * kHC + c] : a.res_mix_in[row * kHC * kHC + c - kHC];
-        s_mixin[tok][c] = v;
+      if constexpr (kMixAhead) {
+#pragma unroll
+        for (int k = 0; k < kMixPer; ++k)
+          if (const int idx = tid + k * kThreads; idx < kTileTokens * kMixIn) s_mixin[idx / kMixIn][idx % kMixIn] = mix_next[k];
+      } else {
+        for (int idx = tid; idx < kTileTokens * kMixIn; idx += kThreads) {
+          const int tok = idx / kMixIn, c = idx % kMixIn, row = row_base + tok;
+          s_mixin[tok][c] = row < T ? mix_in(row, c) : 0.f;
+        }
       }
       team_sync();
       // y of token g + 8h in bf16 (the peers' partials summed in rank order 0..tp-1, the same
@@ -660,6 +686,10 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
         if (tile + step() < tile_end()) load_tile(row_base + step() * kTileTokens, 0);
       if constexpr (kStageX)  // every mma has read its x from the registers: the slot is free
         issue_tile(tile + kRing * step(), slot);
+      if constexpr (kMixAhead)
+        if (tile + step() < tile_end())
+#pragma unroll
+          for (int k = 0; k < kMixPer; ++k) mix_next[k] = load_mix(row_base + step() * kTileTokens, k);
       // Warps 4..7 write, then warps 0..3 add: half the buffer. Then warp w < kNT completes rows
       // 8w..8w+7 (0 + p0 + p1 + p2 + p3, p_w = a_{w+4} + a_w) in its own mma layout and warp kNT
       // the sums of squares: ~40 instructions on 4 warps per tile where a loop over the 400 values
