@@ -483,7 +483,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
       if constexpr (kMixAhead) {
 #pragma unroll
         for (int k = 0; k < kMixPer; ++k)
-          if (const int idx = tid + k * kThreads; idx < kTileTokens * kMixIn) s_mixin[idx / kMixIn][idx % kMixIn] = mix_next[k];
+          if (const int idx = tid + k * kThreads; idx < kTileTokens * kMixIn)
+            s_mixin[idx / kMixIn][idx % kMixIn] = mix_next[k];
       } else {
         for (int idx = tid; idx < kTileTokens * kMixIn; idx += kThreads) {
           const int tok = idx / kMixIn, c = idx % kMixIn, row = row_base + tok;
