@@ -31,9 +31,10 @@ def op_times(path: str) -> tuple[str, dict[tuple, float | None]]:
 
 
 def cell(us: float | None, base: float | None) -> str:
+    """One time and its ratio to base (none where base is None: the first file, or not timed)."""
     if us is None:
         return "not timed"
-    return f"{us:10.1f} us ({us / base:5.2f}x)" if base is not None else f"{us:10.1f} us"
+    return f"{us:10.1f} us ({us / base:5.2f}x)" if base is not None else f"{us:10.1f} us{'':>11}"
 
 
 def table(paths: list[str]) -> list[str]:
@@ -43,8 +44,7 @@ def table(paths: list[str]) -> list[str]:
     lines = [f"{'op':<22} {'T':>6} {'D':>5} {'tp':>2} {'mode':<5} {labels}"]
     for key in keys:
         base = runs[0][1][key]
-        cells = [f"{base:10.1f} us{'':>11}" if base is not None else "not timed"]
-        cells += [cell(t[key], base) for _, t in runs[1:]]
+        cells = [cell(base, None)] + [cell(t[key], base) for _, t in runs[1:]]
         op, T, D, tp, mode = key
         lines.append(f"{op:<22} {T:>6} {D:>5} {tp:>2} {mode:<5} " + " ".join(f"{c:>24}" for c in cells))
     return lines

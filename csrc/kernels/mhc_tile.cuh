@@ -443,7 +443,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
     constexpr int kPer = kHC + (kSrc == YSrc::kLocal ? 1 : 0);  // ranges per token: streams, y
     static_assert(kTileTokens * kPer % kWarps == 0, "whole shares per warp");
     if (const int next = row_base + step() * kTileTokens;
-        kPre && (!kPipe || kPost) && !kStageX && next < T && lane < kTileTokens * kPer / kWarps) {
+        kPre && !kHead && !kStageX && next < T && lane < kTileTokens * kPer / kWarps) {
       const int k = lane * kWarps + warp, row = next + k / kPer, i = k % kPer;
       if (row < T && i < kHC)
         prefetch_l2(a.stream + row * srow + (size_t)i * D + (size_t)v0 * 8, W * 16);
@@ -485,7 +485,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
         for (int k = 0; k < kMixPer; ++k)
           if (const int idx = tid + k * kThreads; idx < kTileTokens * kMixIn)
             s_mixin[idx / kMixIn][idx % kMixIn] = mix_next[k];
-      } else {
+      } else {  // the strided loop as before: through load_mix, the fused posts' registers moved
         for (int idx = tid; idx < kTileTokens * kMixIn; idx += kThreads) {
           const int tok = idx / kMixIn, c = idx % kMixIn, row = row_base + tok;
           s_mixin[tok][c] = row < T ? mix_in(row, c) : 0.f;
