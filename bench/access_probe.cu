@@ -18,6 +18,14 @@
 //               issues), the CTA folds a tile from shared memory, then refills its stage.
 //   ring_cp16   the same ring filled by 16-byte cp.async (8 per thread and tile), each thread's
 //               completion an mbarrier arrival (cp.async.mbarrier.arrive.noinc).
+//   lag0        slice with every load ld.global.cg (L2 only), the base of the lag rows.
+//   lagL        lag0, and after each tile the CTA reads its tile of L steps earlier a second time
+//               (ld.cg): the memory traffic of any two-read design whose second read of a byte comes
+//               from L2 (the window between the reads is L * 2 * SMs * 32 KB, 8.4 MB per step).
+//               GB/s counts the stream's bytes once, as the floor does: at 0.8 of the copy rate it
+//               would leave a two-read mhc_pre room for the 80% target.
+//   l2sweep     a buffer of B MB (B < L2) swept 8 times per launch by all CTAs (ld.cg): the SMs'
+//               read rate from L2 alone.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -59,6 +67,51 @@ __device__ __forceinline__ uint32_t fold_chunk(const Shape& p, int row, int vec)
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc += fold(v[h][i]);
   return acc;
+}
+
+// fold_chunk with ld.global.cg (no L1), for the lag rows.
+__device__ __forceinline__ uint32_t fold_chunk_cg(const Shape& p, int row, int vec) {
+  const size_t srow = 4 * (size_t)p.nvec;
+  uint4 v[2][4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[h][i] = __ldcg(p.x + (row + 8 * h) * srow + i * p.nvec + vec);
+  uint32_t acc = 0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc += fold(v[h][i]);
+  return acc;
+}
+
+template <int kLag>  // 0: one read; L > 0: + the tile of L steps earlier again
+__global__ void __launch_bounds__(kThreads, 2) lag_kernel(Shape p) {
+  const int s = blockIdx.x % p.S, grp = blockIdx.x / p.S, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int gl = lane >> 2, t = lane & 3, tiles = p.T / 16, vec = s * 32 + warp * 4 + t;
+  uint32_t acc = 0;
+#pragma unroll 1
+  for (int tile = grp; tile < tiles + kLag * p.G; tile += p.G) {
+    if (tile < tiles) acc += fold_chunk_cg(p, tile * 16 + gl, vec);
+    if (kLag > 0 && tile >= grp + kLag * p.G) acc += fold_chunk_cg(p, (tile - kLag * p.G) * 16 + gl, vec);
+  }
+  p.out[blockIdx.x * kThreads + threadIdx.x] = acc;
+}
+
+__global__ void __launch_bounds__(kThreads, 2) l2sweep_kernel(Shape p) {  // p.T: the buffer's 16-byte vectors
+  const size_t n = (size_t)p.T, stride = (size_t)gridDim.x * kThreads;
+  uint32_t acc = 0;
+#pragma unroll 1
+  for (int pass = 0; pass < 8; ++pass)
+#pragma unroll 1
+    for (size_t i0 = (size_t)blockIdx.x * kThreads + threadIdx.x; i0 < n; i0 += 8 * stride) {
+      uint4 v[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = i0 + j * stride < n ? __ldcg(p.x + i0 + j * stride) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc += fold(v[j]);
+    }
+  p.out[blockIdx.x * kThreads + threadIdx.x] = acc;
 }
 
 template <int kMode>  // 0 plain, 1 + barrier per tile, 2 + bulk L2 prefetch of the next tile
@@ -254,6 +307,10 @@ int main() {
       q.S = 16, q.G = ctas / 16;  // 16 slices of 2 KB (D = 4096) / 3.5 KB (D = 7168)
       row("slice2k", time_us(slice2k_kernel, q.S * q.G, q, 20));
       row("rows", time_us(rows_kernel, ctas, p, 20));
+      row("lag0", time_us(lag_kernel<0>, grid, p, 20));
+      row("lag1", time_us(lag_kernel<1>, grid, p, 20));
+      row("lag2", time_us(lag_kernel<2>, grid, p, 20));
+      row("lag4", time_us(lag_kernel<4>, grid, p, 20));
       row("sweep", time_us(sweep_kernel, ctas, p, 20));
       if (D == 4096) {  // the one-pass kernel's D: 16 slices of 512 bytes per stream
         Shape r = p;
@@ -279,6 +336,22 @@ int main() {
       CHECK(cudaFree(x));
       CHECK(cudaFree(p.out));
     }
+  }
+  int l2 = 0;
+  CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));
+  std::printf("# l2sweep: L2 %d MB; GB/s = 8 sweeps of the buffer / time\n", l2 >> 20);
+  for (int mb : {4, 8, 16, 24, 32}) {
+    Shape p{};
+    uint4* x = nullptr;
+    const size_t bytes = (size_t)mb << 20;
+    CHECK(cudaMalloc(&x, bytes));
+    CHECK(cudaMemset(x, 1, bytes));
+    CHECK(cudaMalloc(&p.out, (size_t)ctas * kThreads * 4));
+    p.x = x, p.T = (int)(bytes / 16);
+    const float us = time_us(l2sweep_kernel, ctas, p, 20);
+    std::printf("%-11s %6d %6s %9.1f %8.0f\n", "l2sweep", mb, "MB", us, 8.0 * bytes / us * 1e-3);
+    CHECK(cudaFree(x));
+    CHECK(cudaFree(p.out));
   }
   return 0;
 }
