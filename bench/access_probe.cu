@@ -53,30 +53,18 @@ struct Shape {
 };
 
 // Pass 1's loads of one thread for one 16-token tile: vector `vec` of the 4 streams of tokens
-// row and row + 8, all 8 in flight, folded.
+// row and row + 8, all 8 in flight, folded. kCg: ld.global.cg (L2 only; the lag rows).
+template <bool kCg = false>
 __device__ __forceinline__ uint32_t fold_chunk(const Shape& p, int row, int vec) {
   const size_t srow = 4 * (size_t)p.nvec;
   uint4 v[2][4];
 #pragma unroll
   for (int h = 0; h < 2; ++h)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) v[h][i] = p.x[(row + 8 * h) * srow + i * p.nvec + vec];
-  uint32_t acc = 0;
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc += fold(v[h][i]);
-  return acc;
-}
-
-// fold_chunk with ld.global.cg (no L1), for the lag rows.
-__device__ __forceinline__ uint32_t fold_chunk_cg(const Shape& p, int row, int vec) {
-  const size_t srow = 4 * (size_t)p.nvec;
-  uint4 v[2][4];
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[h][i] = __ldcg(p.x + (row + 8 * h) * srow + i * p.nvec + vec);
+    for (int i = 0; i < 4; ++i) {
+      const uint4* q = p.x + (row + 8 * h) * srow + i * p.nvec + vec;
+      v[h][i] = kCg ? __ldcg(q) : *q;
+    }
   uint32_t acc = 0;
 #pragma unroll
   for (int h = 0; h < 2; ++h)
@@ -92,8 +80,8 @@ __global__ void __launch_bounds__(kThreads, 2) lag_kernel(Shape p) {
   uint32_t acc = 0;
 #pragma unroll 1
   for (int tile = grp; tile < tiles + kLag * p.G; tile += p.G) {
-    if (tile < tiles) acc += fold_chunk_cg(p, tile * 16 + gl, vec);
-    if (kLag > 0 && tile >= grp + kLag * p.G) acc += fold_chunk_cg(p, (tile - kLag * p.G) * 16 + gl, vec);
+    if (tile < tiles) acc += fold_chunk<true>(p, tile * 16 + gl, vec);
+    if (kLag > 0 && tile >= grp + kLag * p.G) acc += fold_chunk<true>(p, (tile - kLag * p.G) * 16 + gl, vec);
   }
   p.out[blockIdx.x * kThreads + threadIdx.x] = acc;
 }
