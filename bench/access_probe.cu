@@ -86,22 +86,6 @@ __global__ void __launch_bounds__(kThreads, 2) lag_kernel(Shape p) {
   p.out[blockIdx.x * kThreads + threadIdx.x] = acc;
 }
 
-__global__ void __launch_bounds__(kThreads, 2) l2sweep_kernel(Shape p) {  // p.T: the buffer's 16-byte vectors
-  const size_t n = (size_t)p.T, stride = (size_t)gridDim.x * kThreads;
-  uint32_t acc = 0;
-#pragma unroll 1
-  for (int pass = 0; pass < 8; ++pass)
-#pragma unroll 1
-    for (size_t i0 = (size_t)blockIdx.x * kThreads + threadIdx.x; i0 < n; i0 += 8 * stride) {
-      uint4 v[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = i0 + j * stride < n ? __ldcg(p.x + i0 + j * stride) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc += fold(v[j]);
-    }
-  p.out[blockIdx.x * kThreads + threadIdx.x] = acc;
-}
-
 template <int kMode>  // 0 plain, 1 + barrier per tile, 2 + bulk L2 prefetch of the next tile
 __global__ void __launch_bounds__(kThreads, 2) slice_kernel(Shape p) {
   const int s = blockIdx.x % p.S, grp = blockIdx.x / p.S, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -171,17 +155,23 @@ __global__ void __launch_bounds__(kThreads, 2) rows_kernel(Shape p) {
   p.out[blockIdx.x * kThreads + threadIdx.x] = acc;
 }
 
+template <int kPasses = 1, bool kCg = false>  // l2sweep: 8 passes, ld.cg
 __global__ void __launch_bounds__(kThreads, 2) sweep_kernel(Shape p) {
   const size_t n = (size_t)p.T * 4 * p.nvec, stride = (size_t)gridDim.x * kThreads;
   uint32_t acc = 0;
 #pragma unroll 1
-  for (size_t i0 = (size_t)blockIdx.x * kThreads + threadIdx.x; i0 < n; i0 += 8 * stride) {
-    uint4 v[8];
+  for (int pass = 0; pass < kPasses; ++pass)
+#pragma unroll 1
+    for (size_t i0 = (size_t)blockIdx.x * kThreads + threadIdx.x; i0 < n; i0 += 8 * stride) {
+      uint4 v[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = i0 + j * stride < n ? p.x[i0 + j * stride] : make_uint4(0, 0, 0, 0);
+      for (int j = 0; j < 8; ++j) {
+        const uint4* q = p.x + i0 + j * stride;
+        v[j] = i0 + j * stride < n ? (kCg ? __ldcg(q) : *q) : make_uint4(0, 0, 0, 0);
+      }
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc += fold(v[j]);
-  }
+      for (int j = 0; j < 8; ++j) acc += fold(v[j]);
+    }
   p.out[blockIdx.x * kThreads + threadIdx.x] = acc;
 }
 
@@ -299,7 +289,7 @@ int main() {
       row("lag1", time_us(lag_kernel<1>, grid, p, 20));
       row("lag2", time_us(lag_kernel<2>, grid, p, 20));
       row("lag4", time_us(lag_kernel<4>, grid, p, 20));
-      row("sweep", time_us(sweep_kernel, ctas, p, 20));
+      row("sweep", time_us(sweep_kernel<>, ctas, p, 20));
       if (D == 4096) {  // the one-pass kernel's D: 16 slices of 512 bytes per stream
         Shape r = p;
         r.G = sms / r.S;  // one CTA per SM
@@ -335,8 +325,8 @@ int main() {
     CHECK(cudaMalloc(&x, bytes));
     CHECK(cudaMemset(x, 1, bytes));
     CHECK(cudaMalloc(&p.out, (size_t)ctas * kThreads * 4));
-    p.x = x, p.T = (int)(bytes / 16);
-    const float us = time_us(l2sweep_kernel, ctas, p, 20);
+    p.x = x, p.T = (int)(bytes / 64), p.nvec = 1;  // bytes / 16 vectors
+    const float us = time_us(sweep_kernel<8, true>, ctas, p, 20);
     std::printf("%-11s %6d %6s %9.1f %8.0f\n", "l2sweep", mb, "MB", us, 8.0 * bytes / us * 1e-3);
     CHECK(cudaFree(x));
     CHECK(cudaFree(p.out));
