@@ -83,15 +83,14 @@ _compiled: dict[Callable, Callable] = {}
 
 def compiled(fn: Callable) -> Callable:
     # One torch.compile wrapper per function, primed per D with a symbolic T (prime_compiled), so a
-    # sweep costs ~2 compilations per function and D (T = 1 specialises), not one per T. Automatic
-    # dynamic shapes off: with it, the second D made D symbolic in one graph that then served every
-    # D (dynamo's cache belongs to the function's code, whatever the wrapper), and that code was
-    # 4-5x slower for mhc_post (compiled mhc_post T = 4096, D = 4096: 405 us in the three-D grid,
-    # 93-99 us compiled for that D alone). Each D now gets its own graph with D static.
+    # sweep costs ~2 compilations per function and D (T = 1 specialises), not one per T. dynamic=False
+    # turns automatic dynamic shapes off for these calls only (torch applies it around each call, so
+    # the process's dynamo config is left as it was): with it on, the second D made D symbolic in one
+    # graph that then served every D (dynamo's cache belongs to the function's code, whatever the
+    # wrapper), and that graph's mhc_post was 4-5x slower. Each D gets its own graph with D static;
+    # T stays symbolic because prime_compiled marks it dynamic.
     if fn not in _compiled:
-        torch._dynamo.config.automatic_dynamic_shapes = False
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        _compiled[fn] = torch.compile(fn, fullgraph=True)
+        _compiled[fn] = torch.compile(fn, fullgraph=True, dynamic=False)
     return _compiled[fn]
 
 

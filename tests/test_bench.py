@@ -282,18 +282,19 @@ def test_compiled_references_one_graph_per_D(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=backend, **kw))
     monkeypatch.setattr(cases, "_compiled", {})
     monkeypatch.setattr(cases, "PRIME_TOKENS", 64)  # small on the CPU; the GPU sweep primes at 4096
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", True)  # restored after
     torch._dynamo.reset()
     try:
-        cpu = torch.device("cpu")
-        for D in (16, 24):
-            params = cases.make_params(D, cpu)
-            cases.prime_compiled("mhc_post", D, params, cpu)
-            for T in (3, 40):  # no recompilation for another T
-                y = torch.randn(T, D).to(torch.bfloat16)
-                stream = torch.randn(T, cases.HC, D).to(torch.bfloat16)
-                post_mix, res_mix = cases.make_mixes(T, D, params, None, cpu)
-                cases.compiled(cases.ref_post)(y, stream, post_mix, res_mix)
+        # The process default (automatic dynamic shapes on) must not make D symbolic in the bench's graphs.
+        with torch._dynamo.config.patch(automatic_dynamic_shapes=True):
+            cpu = torch.device("cpu")
+            for D in (16, 24):
+                params = cases.make_params(D, cpu)
+                cases.prime_compiled("mhc_post", D, params, cpu)
+                for T in (3, 40):  # no recompilation for another T
+                    y = torch.randn(T, D).to(torch.bfloat16)
+                    stream = torch.randn(T, cases.HC, D).to(torch.bfloat16)
+                    post_mix, res_mix = cases.make_mixes(T, D, params, None, cpu)
+                    cases.compiled(cases.ref_post)(y, stream, post_mix, res_mix)
     finally:
         torch._dynamo.reset()
     assert len(graphs) == 2, graphs
