@@ -46,13 +46,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import torch  # noqa: E402
-from common import REPO, launch  # noqa: E402
+import torch
+from common import REPO, launch
 
 # torch.compile baselines. The default sweep has one beside every op (the four compiled references
 # are shared: a fused op's baseline is NCCL + its local op's compiled reference); the quick subset

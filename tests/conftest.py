@@ -130,7 +130,7 @@ def mhc(request) -> MHCInputs:
 
 def pytest_collection_modifyitems(items):
     """Every test of a tests/test_cuda_*.py file but the CPU compile check is a GPU test:
-    `pytest -m gpu tests` runs the GPU suite alone (scripts/gpu_run.sh does)."""
+    `pytest -m gpu tests` runs the GPU suite alone (tools/gpu_check.sh does)."""
     for item in items:
         name = item.path.name
         if name.startswith("test_cuda_") and name != "test_cuda_compile.py":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -11,10 +12,24 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
 
-cases = pytest.importorskip("cases", reason="spkernels is not importable")
-report = pytest.importorskip("report")
+
+def import_script(directory: str, *names: str) -> list:
+    """bench/ and tools/ are directories of scripts that import their siblings by name: import them
+    with their directory on sys.path for the import only, so no other test file sees it."""
+    path = str(REPO / directory)
+    sys.path.insert(0, path)
+    try:
+        return [importlib.import_module(n) for n in names]
+    finally:
+        sys.path.remove(path)
+
+
+try:
+    cases, report, compare = import_script("bench", "cases", "report", "compare")
+except ImportError as e:  # spkernels is not importable
+    pytest.skip(f"bench/ is not importable: {e}", allow_module_level=True)
+(profile_sp,) = import_script("tools", "profile_sp")
 
 ROW_KEYS = {"op", "T", "D", "tp", "graph", "time_us", "baseline", "baseline_us", "speedup", "floor_us",
             "hbm_GBps", "frac_of_floor"}  # fmt: skip
@@ -57,8 +72,8 @@ def test_cpu_sweep_end_to_end(tmp_path):
 
 
 def test_profile_sp_smoke():
-    """scripts/profile_sp.py on gloo: every rank reports each op's calls (GPU runs split kernels)."""
-    script = str(REPO / "scripts" / "profile_sp.py")
+    """tools/profile_sp.py on gloo: every rank reports each op's calls (GPU runs split kernels)."""
+    script = str(REPO / "tools" / "profile_sp.py")
     cmd = [sys.executable, script, "--cpu", "--T", "8", "--D", "64", "--calls", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
@@ -69,8 +84,6 @@ def test_profile_sp_smoke():
 
 
 def test_profile_sp_summary():
-    sys.path.insert(0, str(REPO / "scripts"))
-    import profile_sp
 
     spans = [("pass1", 0, 10), ("pass2", 12, 20), ("pass1", 30, 41), ("pass2", 44, 50)]
     lines = profile_sp.summarize(spans, calls=2)
@@ -105,10 +118,8 @@ def test_delayed_inputs_reach_every_variant(op):
             torch.testing.assert_close(got.float(), w.float(), atol=2e-2, rtol=2e-2, msg=f"{name}")
 
 
-def test_ab_table(tmp_path):
-    """scripts/ab_table.py: one line per shape in every file, times and ratios to the first file."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    import ab_table
+def test_compare_table(tmp_path):
+    """bench/compare.py: one line per shape in every file, times and ratios to the first file."""
 
     def write(name, commit, rows):
         keys = ("op", "T", "D", "tp", "graph", "time_us")
@@ -119,17 +130,17 @@ def test_ab_table(tmp_path):
     base = write("a", "c1", [("mhc_pre", 8, 64, 1, True, 10.0), ("mhc_pre", 8, 64, 1, True, 10.0),
                              ("mhc_post", 8, 64, 1, False, 4.0)])  # fmt: skip
     other = write("b", "c2", [("mhc_pre", 8, 64, 1, True, 5.0), ("mhc_head", 8, 64, 1, True, 1.0)])
-    lines = ab_table.table([base, other])
+    lines = compare.table([base, other])
     assert "a@c1" in lines[0] and "b@c2" in lines[0], lines[0]
     assert len(lines) == 2, lines  # only the shape present in both files
     assert lines[1].split()[:5] == ["mhc_pre", "8", "64", "1", "graph"], lines[1]
     assert "10.0 us" in lines[1] and "5.0 us ( 0.50x)" in lines[1], lines[1]
     # A case the bench refused to time (time_us null: wrong outputs) in either file.
     wrong = write("c", "c3", [("mhc_pre", 8, 64, 1, True, None), ("mhc_post", 8, 64, 1, False, 2.0)])
-    lines = ab_table.table([base, wrong])
+    lines = compare.table([base, wrong])
     assert len(lines) == 3 and "not timed" in lines[2] and "10.0 us" in lines[2], lines
     assert "2.0 us ( 0.50x)" in lines[1], lines
-    lines = ab_table.table([wrong, base])
+    lines = compare.table([wrong, base])
     assert "not timed" in lines[2] and "10.0 us" in lines[2] and "x)" not in lines[2], lines
 
 
@@ -176,8 +187,6 @@ def test_count_wrong():
 def test_profile_sp_timeline_is_in_time_order():
     """Kernels in launch order, not by name (by name, pass 2 of one call and pass 1 of the next
     would be paired into one call)."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    import profile_sp
     from torch.autograd import DeviceType
 
     def kernel(name, start, end):
@@ -199,7 +208,7 @@ def test_profile_sp_timeline_is_in_time_order():
 
 
 def test_ncu_summary(tmp_path):
-    """scripts/ncu_summary.py on ncu's CSV layouts: the raw page (names, units, one row per kernel)
+    """tools/ncu_summary.py on ncu's CSV layouts: the raw page (names, units, one row per kernel)
     and the SASS source page (one row per instruction)."""
     raw = tmp_path / "raw.csv"
     raw.write_text(
@@ -217,7 +226,7 @@ def test_ncu_summary(tmp_path):
         '"0x20","BAR.SYNC.DEFER_BLOCKING 0x0","300","0","290"\n'
         '"0x30","IMAD R1, R2, R3, R4","5","0","0"\n'
     )
-    script = str(REPO / "scripts" / "ncu_summary.py")
+    script = str(REPO / "tools" / "ncu_summary.py")
     out = subprocess.run(
         [sys.executable, script, str(raw), str(sass)], capture_output=True, text=True, check=True
     ).stdout
@@ -243,8 +252,7 @@ def test_ncu_summary(tmp_path):
 def test_compile_baselines_default():
     """The default sweep times every op beside its torch.compile'd reference; --quick only the
     boundaries and mhc_post_pre; an explicit list wins."""
-    import collectives
-
+    (collectives,) = import_script("bench", "collectives")
     assert collectives.parse_args([]).compile_ops == "all"
     assert set(collectives.parse_args(["--quick"]).compile_ops.split(",")) == set(
         collectives.QUICK_COMPILE_OPS

@@ -4,7 +4,7 @@
 # version metadata, `python -m spkernels.env`.
 # The venv uses --system-site-packages (or, where torch sits in the user site, that directory) so
 # torch (and, on GPU servers, its NCCL wheel) comes from the environment the wheel was built in.
-# Usage: bash scripts/check_wheel.sh   (PYTHON=python3, DIST=dist: where the wheel is left)
+# Usage: bash tools/check_wheel.sh   (PYTHON=python3, DIST=dist: where the wheel is left)
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -2,7 +2,7 @@
 rank (torch.profiler / CUPTI; eager calls, back to back, the partial written in place beforehand).
 
 On the GPU machine (one process per GPU, spawned here):
-  python3 scripts/profile_sp.py --T 8,8192 --ops mhc_post_pre_rs_ag,mhc_post_pre_ar
+  python3 tools/profile_sp.py --T 8,8192 --ops mhc_post_pre_rs_ag,mhc_post_pre_ar
 Without GPUs it runs the CPU ops on gloo and times the op calls instead (a smoke run).
 """
 

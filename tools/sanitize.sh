@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # compute-sanitizer (memcheck, racecheck, synccheck) over every spkernels CUDA kernel: the local ops
-# in one process and the comm ops in two (scripts/sanitize_ops.py), on the GPU machine after the
-# package is built (scripts/gpu_run.sh builds it).
+# in one process and the comm ops in two (tools/sanitize_ops.py), on the GPU machine after the
+# package is built (tools/gpu_check.sh builds it).
 #
-# Usage: bash scripts/sanitize.sh [tool ...]        (default: memcheck racecheck synccheck)
+# Usage: bash tools/sanitize.sh [tool ...]        (default: memcheck racecheck synccheck)
 #   SAN_MODES="local comm"   which workloads (default both)
 #   SAN_TIMEOUT=240          seconds per tool x workload run
 #   SAN_ALL_KERNELS=1        also instrument NCCL's own kernels (default: skip ncclDevKernel_*, not ours)
@@ -31,7 +31,7 @@ export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 san=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
 if [[ -z $san ]]; then echo "compute-sanitizer not found" | tee -a "$summary"; exit 1; fi
 if ! python3 -c "import spkernels._library as L; assert L.HAS_CUDA_KERNELS" 2>>"$log"; then
-  echo "spkernels with CUDA kernels is not importable: build it first (scripts/gpu_run.sh)" | tee -a "$summary"
+  echo "spkernels with CUDA kernels is not importable: build it first (tools/gpu_check.sh)" | tee -a "$summary"
   exit 1
 fi
 filter=()
@@ -47,7 +47,7 @@ for tool in "${tools[@]}"; do
     start=$(date +%s)
     timeout -k 15 "$timeout_s" "$san" --tool "$tool" --print-limit 20 --target-processes all "${filter[@]}" \
       --report-api-errors "${SAN_API_ERRORS:-no}" \
-      python3 scripts/sanitize_ops.py --mode "$mode" > "$OUT/.san_run.log" 2>&1
+      python3 tools/sanitize_ops.py --mode "$mode" > "$OUT/.san_run.log" 2>&1
     rc=$?
     cat "$OUT/.san_run.log" >> "$log"
     secs=$(( $(date +%s) - start ))

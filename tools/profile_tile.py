@@ -2,7 +2,7 @@
 
 On the GPU machine (--clock-control none: never lock the GPU's clocks):
   ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-      python3 scripts/profile_tile.py --T 8,64 --ops pre,post_pre,head
+      python3 tools/profile_tile.py --T 8,64 --ops pre,post_pre,head
 """
 
 import argparse

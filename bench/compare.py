@@ -1,6 +1,6 @@
-"""Compare bench/collectives.py results of several builds (an A/B run: `gpu_run.sh ab`).
+"""Compare bench/collectives.py results of several builds (an A/B run: `tools/gpu_check.sh ab`).
 
-    python scripts/ab_table.py base.json other.json [...]
+    python bench/compare.py base.json other.json [...]
 
 One line per (op, T, D, tp, mode) present in every file: each file's op time (µs) and its ratio
 to the first file's (< 1: faster than the first). A case the bench refused to time (wrong outputs,

@@ -1,8 +1,8 @@
-"""Calls every spkernels CUDA kernel at small sizes: the workload that scripts/sanitize.sh runs under
+"""Calls every spkernels CUDA kernel at small sizes: the workload that tools/sanitize.sh runs under
 compute-sanitizer (memcheck, racecheck, synccheck).
 
-    python scripts/sanitize_ops.py --mode local   # mhc_pre, mhc_post, mhc_post_pre, mhc_head on cuda:0
-    python scripts/sanitize_ops.py --mode comm    # every comm op, 2 processes (torch.multiprocessing)
+    python tools/sanitize_ops.py --mode local   # mhc_pre, mhc_post, mhc_post_pre, mhc_head on cuda:0
+    python tools/sanitize_ops.py --mode comm    # every comm op, 2 processes (torch.multiprocessing)
 
 Sizes cover every instantiation of the two passes (pre / post / post+pre / head; local, peer and
 gathering variants; narrow and full column slices) and both fn paths of pass 1: T below one tile,
