@@ -260,19 +260,31 @@ def test_compile_baselines_default():
     assert collectives.parse_args(["--compile-ops", "mhc_pre"]).compile_ops == "mhc_pre"
 
 
+def results(*names: str) -> list[dict]:
+    return [json.loads((REPO / "bench" / "results" / n).read_text()) for n in names]
+
+
 def test_readme_table_from_results():
-    """The README's table comes from the committed full sweep; a shape the run lacks is named."""
-    doc = json.loads((REPO / "bench" / "results" / "collectives_full.json").read_text())
-    text = report.readme_table(doc)
-    lines = text.splitlines()
-    assert lines[0].startswith("## Benchmarks (") and doc["machine"]["commit"][:7] in lines[0]
-    table = [ln for ln in lines if ln.startswith("|")]
+    """The README's table comes from the committed results, each row from the first file that has it;
+    a shape no run measured is named."""
+    docs = results(*report.DEFAULT_RESULTS)
+    text = report.readme_table(docs)
+    table = [ln for ln in text.splitlines() if ln.startswith("|")]
     assert len(table) == 2 + len(report.README_ROWS)
-    sp = next(r for r in doc["rows"] if r["graph"] and (r["op"], r["T"], r["D"], r["baseline"]) ==
+    sp = next(r for r in docs[1]["rows"] if r["graph"] and (r["op"], r["T"], r["D"], r["baseline"]) ==
               ("mhc_post_pre_rs_ag", 8192, 4096, "nccl+spkernels"))  # fmt: skip
     assert f"| {sp['speedup']:.2f}× | {sp['frac_of_floor']:.2f} |" in table[2]
-    doc["rows"] = [r for r in doc["rows"] if r["op"] != "mhc_head"]
-    assert "| `mhc_head` | 8192 | | not in this run |" in report.readme_table(doc)
+    assert report.machine_line(docs[1]["machine"]) in text  # the run a row comes from is named
+    for doc in docs:
+        doc["rows"] = [r for r in doc["rows"] if r["op"] != "mhc_head"]
+    assert "| `mhc_head` | 8192 | | not measured |" in report.readme_table(docs)
+
+
+def test_readme_shows_the_current_table():
+    """README.md carries exactly the table that `python bench/report.py --readme` writes."""
+    readme = (REPO / "README.md").read_text()
+    table = report.readme_table(results(*report.DEFAULT_RESULTS))
+    assert report.update_readme(readme, table) == readme, "README table is stale: run python bench/report.py --readme"
 
 
 def test_compiled_references_one_graph_per_D(monkeypatch):
