@@ -5,9 +5,9 @@
 
 With N GPUs it spawns one process per GPU (or runs under torchrun) and sweeps tp = N (and 2 when
 N > 2); without GPUs (or with --cpu) it runs a small CPU/gloo smoke sweep on 2 processes. Ops and
-variants: bench/cases.py. Timing: bench/common.py (METHOD.md: warm-up, events or graph replays,
+variants: bench/cases.py. Timing: bench/common.py (warm-up, events or graph replays,
 median, max over ranks, A/B interleaving, inputs rotated over >= 2x L2). Outputs, under --out
-(default bench/results): <name>.json (SPEC.md §7 format, plus floors, config and crossover),
+(default bench/results): <name>.json (machine, rows as in docs/performance.md, floors, config and crossover),
 <name>.txt (every row), <name>.png (latency and speedup vs T). --delayed: V4.1 delayed mode, every
 pre and its baselines collapse with a carried-in pre_mix_in (name suffix _delayed; the floors
 leave out its 16 bytes per token).

@@ -1,6 +1,6 @@
 """Harness shared by the benchmarks in bench/: process launch, timing and machine facts.
 
-Timing follows the device tool's METHOD.md: warm-up (which also compiles), then repeated
+Timing (docs/performance.md, "How performance is measured"): warm-up (which also compiles), then repeated
 chunks timed with CUDA events (eager) or graph replays (a CUDA graph holding many back-to-back
 calls, time divided by the calls), variants of one shape interleaved chunk by chunk so that drift
 hits all of them alike, the median chunk per rank, and the maximum of those medians across ranks

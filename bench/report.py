@@ -1,4 +1,4 @@
-"""Turning measurements into SPEC.md §7 rows, the printed table, the JSON, the plot and the crossover."""
+"""Turning measurements into result rows, the printed table, the JSON, the plot and the crossover."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def floor_us(op: str, T: int, D: int, tp: int, floors: dict) -> float | None:
 
 
 def make_rows(records: list[dict], floors: dict) -> list[dict]:
-    """One row per op variant x shape x mode x baseline (SPEC.md §7), plus ``wrong`` and ``error``."""
+    """One row per op variant x shape x mode x baseline (docs/performance.md), plus ``wrong`` and
+    ``error``."""
     by_shape = defaultdict(list)
     for r in records:
         by_shape[(r["op"], r["T"], r["D"], r["tp"], r["graph"])].append(r)
@@ -126,7 +127,8 @@ def key_rows(rows: list[dict]) -> list[dict]:
 
 
 def targets(rows: list[dict]) -> list[dict]:
-    """SPEC.md §7 targets, each with the worst measured value over the shapes it covers."""
+    """The project's targets (docs/performance.md, "Open targets"), each with the worst measured value
+    over the shapes it covers."""
 
     graph = any(r["graph"] for r in rows)
 
@@ -302,7 +304,8 @@ def readme_table(docs: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, op, T, D, baseline, words, target in README_ROWS:
-        found = [(i, rows[(op, T, D, baseline)]) for i, rows in enumerate(lookup) if (op, T, D, baseline) in rows]
+        key = (op, T, D, baseline)
+        found = [(i, rows[key]) for i, rows in enumerate(lookup) if key in rows]
         found = [(i, r) for i, r in found if r["time_us"] and r["baseline_us"]]
         if not found:
             lines.append(f"| {label} | {T} | | not measured | {words} | | | | {target} | |")

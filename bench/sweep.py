@@ -61,7 +61,7 @@ def worker(args) -> None:
     t_start = time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if args.cuda else torch.device("cpu")
-    if args.cuda:  # the baselines may use TF32 for fn.x, as SPEC.md §1 allows the kernels
+    if args.cuda:  # the baselines may use TF32 for fn.x, as docs/contract.md allows the kernels
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     for key in ("recompile_limit", "cache_size_limit"):
@@ -148,8 +148,8 @@ def _probe_link(bench: Bench, comm, tp: int, D: int, T: int, device, floors: dic
     times, errors = bench.measure(variants, 1, graph=False)
     received = (tp - 1) / tp * T * D * 2
     bws = {k: received / t / 1e3 for k, t in times.items()}
-    # Peak = the fastest probe (SPEC.md §7: the measured peak LSA bandwidth; DEVICE_NOTES: a plain
-    # push beats a pull): a floor must never be set by the slower of two ways to move bytes.
+    # Peak = the fastest probe (a plain push beats a pull on the H200 pair): a floor must never be
+    # set by the slower of two ways to move bytes.
     pick = max(bws, key=bws.get, default=None)
     floors["link_GBps"][str(tp)] = bws.get(pick)
     floors["link_probe"][str(tp)] = {"used": pick, "T": T, "D": D, "GBps": bws, "errors": errors}
@@ -266,7 +266,7 @@ def _finish(args, records: list[dict], floors: dict, elapsed: float) -> None:
     )
     print(f"crossover (SP boundary beats TP from T): {json.dumps(cross)}\n")
     print(report.format_table(shown))
-    print("\nSPEC.md §7 targets (worst value over the shapes each covers):")
+    print("\nTargets (worst value over the shapes each covers):")
     print(report.format_targets(report.targets(rows)), flush=True)
 
 

@@ -1,4 +1,4 @@
-"""run_distributed: the one way tests start a process group (STYLE.md item 7).
+"""run_distributed: the one way tests start a process group (every distributed test uses it).
 
 Spawns ``world_size`` processes that meet through a file in a fresh temporary directory (no port to
 race for), initialises ``torch.distributed`` in each (gloo on CPU, nccl with one GPU per rank), runs

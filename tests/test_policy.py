@@ -1,5 +1,6 @@
-"""SPPolicy (SPEC.md §5): the SP decision is a pure function of the padded count, padding is
-CUDA-graph safe (decode batches land on capture sizes, SP forwards on tp multiples), bad values raise."""
+"""SPPolicy (docs/contract.md, "Padding, dispatch and CUDA graphs"): the SP decision is a pure
+function of the padded count, padding is CUDA-graph safe (decode batches land on capture sizes,
+SP forwards on tp multiples), bad values raise."""
 
 import json
 

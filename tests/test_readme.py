@@ -22,7 +22,8 @@ def readme_example() -> str:
 def test_readme_example_runs(tmp_path):
     script = tmp_path / "example.py"
     script.write_text(readme_example())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd.append(str(script))
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]

@@ -1,5 +1,6 @@
-"""reference.py against SPEC.md §1: Sinkhorn properties, shapes, padding rows, and a tiny case
-recomputed independently with plain Python loops (no torch math) in double precision."""
+"""reference.py against the contract's math (docs/contract.md): Sinkhorn properties, shapes,
+padding rows, and a tiny case recomputed independently with plain Python loops (no torch math)
+in double precision."""
 
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ def sigmoid(v: float) -> float:
 
 
 def py_coefficients(X, fn, scale, base, iters):
-    """SPEC.md §1 steps 1-3 for one token, written out with lists. X: hc lists of D floats."""
+    """The contract's coefficient steps for one token, written out with lists. X: hc lists of D floats."""
     hc, D = len(X), len(X[0])
     x = [X[i][d] for i in range(hc) for d in range(D)]
     r = 1.0 / math.sqrt(sum(v * v for v in x) / len(x) + EPS)
@@ -171,7 +172,7 @@ def test_to_bf16_matches_torch(mhc):
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("delayed", [True, False])
 def test_tiny_case_against_plain_python(mhc, iters, norm, delayed):
-    """hc = 4, D = 8, two tokens: reference.py in fp64 equals the loop version of SPEC.md §1."""
+    """hc = 4, D = 8, two tokens: reference.py in fp64 equals the loop version of the contract's math."""
     T, D = 2, 8
     stream = mhc.stream(T, D)
     p = mhc.site(D, norm=norm)
@@ -240,7 +241,7 @@ def test_head_against_plain_python(mhc):
 
 
 def test_reduce_partials_rounds_once_in_rank_order():
-    """SPEC.md §2: fp32 sum in rank order 0..tp-1, then a single bf16 rounding."""
+    """The reduction semantics: fp32 sum in rank order 0..tp-1, then a single bf16 rounding."""
     one, tiny, tinier = (torch.tensor([v], dtype=bf16) for v in (1.0, 2.0**-8, 2.0**-9))
     # fp32: 1 + 2^-8 + 2^-9 = 1 + 0.75 * 2^-7 rounds up to bf16 1 + 2^-7. Rounding after every
     # step would give 1.0: 1 + 2^-8 is a tie that goes to even 1.0, and 2^-9 is then lost too.
