@@ -36,6 +36,7 @@ ROW_KEYS = {"op", "T", "D", "tp", "graph", "time_us", "baseline", "baseline_us",
 MACHINE_KEYS = {"gpu", "gpus", "driver", "torch", "cuda", "nccl", "commit", "date"}
 
 
+@pytest.mark.slow
 def test_cpu_sweep_end_to_end(tmp_path):
     cmd = [
         sys.executable,
@@ -71,6 +72,7 @@ def test_cpu_sweep_end_to_end(tmp_path):
     assert "Targets (worst value" in proc.stdout
 
 
+@pytest.mark.slow
 def test_profile_sp_smoke():
     """tools/profile_sp.py on gloo: every rank reports each op's calls (GPU runs split kernels)."""
     script = str(REPO / "tools" / "profile_sp.py")

@@ -5,7 +5,7 @@ machine without a GPU (and with a CPU-only torch). One case per file:
   nvidia-nccl-cu13 (the NCCL torch loads on the GPU machine), as CMake builds it;
 - ``csrc/torch_bindings.cpp`` with ``SPK_WITH_CUDA=1`` (its CUDA-only registrations);
 - every ``csrc/kernels/*.cuh`` on its own with no torch include path: the kernel layer must stay
-  torch-free (STYLE.md item 1).
+  torch-free (docs/design.md).
 
 The files compile in parallel (one nvcc per core) as soon as the first case asks for them.
 """
@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.utils.cpp_extension
+
+pytestmark = pytest.mark.slow  # nvcc: ~25 s per file on 2 cores
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"

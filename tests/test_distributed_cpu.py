@@ -218,7 +218,7 @@ def roundtrip_tensors(mhc, tp: int) -> list[torch.Tensor]:
     ]
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_collective_ops_gloo(mhc, tp):
     cases = [make_case(mhc, tp, T) for T in TOKENS[tp]]
     sites = [mhc.site(D) for _ in range(3)]

@@ -306,6 +306,7 @@ def _opcheck_tp2(rank, world_size, inputs):
             torch.library.opcheck(*cases[name])
 
 
+@pytest.mark.slow
 def test_opcheck_comm_ops_tp2(mhc):
     """opcheck runs each op several times; every rank does the same calls in the same order."""
     run_distributed(2, _opcheck_tp2, opcheck_inputs(mhc, tp_size=2))

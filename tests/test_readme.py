@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -19,6 +21,7 @@ def readme_example() -> str:
     return blocks[0]
 
 
+@pytest.mark.slow
 def test_readme_example_runs(tmp_path):
     script = tmp_path / "example.py"
     script.write_text(readme_example())
