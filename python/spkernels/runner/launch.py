@@ -421,8 +421,10 @@ def worker(rank: int, world_size: int, opts: RunOptions) -> dict | None:
         model = Model(config, weights, device, comm, len(plan_.prompts), plan_.kv_len, stage)
         mtp = None
         if opts.mtp is not None:  # (the draft layer on the last stage, else None)
-            layer = MTPLayer(config, weights, device, comm, len(plan_.prompts), plan_.kv_len, model)
-            mtp = (layer if model.last_stage else None,)
+            layer = None
+            if model.last_stage:
+                layer = MTPLayer(config, weights, device, comm, len(plan_.prompts), plan_.kv_len, model)
+            mtp = (layer,)
         if not keep_weights:
             del weights  # the full model, generated on every rank: keep only the shard
         if device.type == "cuda":  # peak memory of the run, not of generating the full weights
