@@ -179,10 +179,10 @@ class SpeculativeEngine(Engine):
             self.graph_max_diff = max(self.graph_max_diff, diff)
         return logits, residual
 
-    def _proposals(self, req: SpecRequest, index: int, logits_row: torch.Tensor) -> int:
+    def _proposal(self, req: SpecRequest, index: int, greedy: int) -> int:
         """Draft ``index`` (0-based) of ``req``: the MTP's greedy token or the oracle's (or not it)."""
         if self.draft_mode == "mtp":
-            return int(logits_row.argmax())
+            return greedy
         plain = self.oracle[req.index]
         position = len(req.generated) + index  # the generated token this draft stands for
         token = plain[position] if position < len(plain) else 0
@@ -211,8 +211,9 @@ class SpeculativeEngine(Engine):
         for req in need:
             req.draft = []
         for k in range(K):
-            for req, row in zip(need, logits, strict=True):
-                req.draft.append(self._proposals(req, k, row))
+            greedy = logits.argmax(dim=-1).tolist()  # one device read per draft step
+            for req, token in zip(need, greedy, strict=True):
+                req.draft.append(self._proposal(req, k, token))
             if k == K - 1 or not need:
                 break
             n = len(need)
