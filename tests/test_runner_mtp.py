@@ -182,6 +182,40 @@ def test_draft_under_sp_matches_tp(arch):
         assert (got - want).abs().max() <= 2**-5 * want.abs().max(), name
 
 
+def test_drafts_match_an_mtp_run_from_scratch():
+    """After steps with rejected drafts, each request's drafts equal those of a fresh MTP layer run
+    over its whole accepted sequence in one prefill: the rejected positions of both KV caches were
+    rewritten before anything read them."""
+    from spkernels.policy import SPPolicy
+    from spkernels.runner.speculative import SpecRequest, SpeculativeEngine
+
+    torch.manual_seed(1)
+    config = preset("tiny", mtp_layers=1)
+    weights = random_weights(config, 0, torch.device("cpu"))
+
+    def models():
+        model = Model(config, weights, "cpu", None, 3, 64)
+        return model, MTPLayer(config, weights, "cpu", None, 3, 64, model)
+
+    engine = SpeculativeEngine(*models(), SPPolicy(1, None, ()), 64, num_draft=2)
+    requests = [SpecRequest(i, torch.randint(0, 512, (n,)).tolist(), 20) for i, n in enumerate((4, 9, 1))]
+    for _ in range(5):
+        engine.step(requests)
+    assert sum(s.drafted - s.accepted for s in engine.steps) > 0  # some drafts were rejected
+    model, mtp = models()
+    model.stash_residual = True
+    for req in requests:
+        tokens = req.prompt + req.generated
+        n = len(tokens) - 1
+        model.forward(_prefill([tokens[:-1]]), False)
+        logits, stream = mtp.draft(_prefill([tokens[:-1]], [tokens[-1]]), model.residual[:n].clone(), False)
+        first = int(logits[n - 1].argmax())
+        t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+        step = Batch(t([first]), t([n]), t([0]), t([n + 1]), 1, None, None)
+        second = int(mtp.draft(step, stream[n - 1 : n].clone(), False)[0][0].argmax())
+        assert req.draft == [first, second], req.index
+
+
 # ----------------------------------------------------------------------------- pieces and errors
 def test_accept_takes_the_longest_matching_prefix():
     assert accept([5, 6, 7], [5, 6, 9, 1]) == 2
