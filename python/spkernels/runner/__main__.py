@@ -3,12 +3,15 @@
 python -m spkernels.runner --device cpu --tp 2 --sp-threshold 8 --prompts 4 --gen 8 --check
 python -m spkernels.runner --device cpu --arch v4.1 --tp 2 --pp 2 --num-experts 4 --sp-threshold 8 --check
 python -m spkernels.runner --device cpu --arch v4.1 --pp 2 --microbatches 3 --microbatch-min-tokens 8 --check
+python -m spkernels.runner --device cpu --tp 2 --sp-threshold 8 --mtp 2 --check
 torchrun --nproc-per-node 2 -m spkernels.runner --device cuda --tp 2 --preset v4-flash-like
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 
@@ -16,6 +19,7 @@ from .config import PRESETS
 from .engine import MICROBATCH_MIN_TOKENS
 from .launch import RunOptions, exit_without_teardown, launch
 from .profile import format_breakdown, format_top
+from .speculative import DRAFT_MODES
 
 
 def _threshold(text: str):
@@ -89,6 +93,27 @@ def parse_args(argv=None) -> RunOptions:
         help="explicit prompt lengths (instead of --prompts/--prompt-len)",
     )
     p.add_argument("--gen", type=int, default=16, help="tokens to generate per request")
+    p.add_argument(
+        "--mtp",
+        type=int,
+        default=None,
+        metavar="K",
+        help="greedy speculative decoding: draft K tokens per request per step with the MTP layer and "
+        "verify them in one forward of K + 1 tokens per request (same tokens as plain decoding)",
+    )
+    p.add_argument(
+        "--mtp-draft",
+        choices=DRAFT_MODES,
+        default="mtp",
+        help="what proposes the drafts: the MTP layer, the plain run's tokens (oracle: every draft "
+        "accepted) or never them (wrong); the MTP layer runs in every mode (default %(default)s)",
+    )
+    p.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="write the options, stats (acceptance rate, tokens per step with --mtp) and tokens as JSON",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=0, help="untimed generations before the measured one")
     p.add_argument(
@@ -141,7 +166,23 @@ def parse_args(argv=None) -> RunOptions:
     p.add_argument("--save-weights", default=None, metavar="PATH")
     p.add_argument("--quiet", action="store_true", help="no per-step lines or progress")
     fields = vars(p.parse_args(argv))
-    return RunOptions(verbose=not fields.pop("quiet"), **fields)  # every other flag is a RunOptions field
+    json_path = fields.pop("json")
+    opts = RunOptions(verbose=not fields.pop("quiet"), **fields)  # every other flag is a RunOptions field
+    return opts, json_path
+
+
+def write_json(path: str, opts: RunOptions, results: dict) -> None:
+    out = {
+        "options": dataclasses.asdict(opts),
+        "device": results["device"],
+        "stats": results["stats"],
+        "peak_memory": results["peak_memory"],
+        "tokens": results["tokens"],
+    }
+    if "check" in results:
+        out["check"] = results["check"]
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1, default=str)
 
 
 def report(results: dict) -> bool:
@@ -163,10 +204,21 @@ def report(results: dict) -> bool:
         f"prefill: {stats['prefill_tokens']} tokens, {stats['prefill_tokens_per_s']:.1f} tokens/s"
         f"{spread.get('prefill_tokens_per_s', '')}"
     )
-    print(
-        f"decode: {stats['decode_ms_per_step']:.3f} ms/token ({stats['decode_steps']} steps, "
-        f"one token per request per step{spread.get('decode_ms_per_step', '')})"
-    )
+    if "mtp" in stats:
+        print(
+            f"decode: {stats['decode_ms_per_step']:.3f} ms/step ({stats['decode_steps']} steps, "
+            f"{stats['decode_tokens_per_s']:.1f} tokens/s{spread.get('decode_ms_per_step', '')})"
+        )
+        print(
+            f"speculative: --mtp {stats['mtp']} ({stats['mtp_draft']} draft): acceptance rate "
+            f"{stats['acceptance_rate']:.3f} ({stats['accepted']}/{stats['drafted']} drafts), "
+            f"{stats['tokens_per_step']:.2f} tokens per request per step"
+        )
+    else:
+        print(
+            f"decode: {stats['decode_ms_per_step']:.3f} ms/token ({stats['decode_steps']} steps, "
+            f"one token per request per step{spread.get('decode_ms_per_step', '')})"
+        )
     if stats["graph_steps"] and stats.get("graph_max_diff") is not None:
         print(f"graph vs eager: max logit diff {stats['graph_max_diff']:.3g}")
     for rank, peak in enumerate(results["peak_memory"]):
@@ -195,7 +247,7 @@ def report(results: dict) -> bool:
 
 
 def main(argv=None) -> int:
-    opts = parse_args(argv)
+    opts, json_path = parse_args(argv)
     try:
         results = launch(opts)
     except (ValueError, NotImplementedError) as e:
@@ -203,6 +255,8 @@ def main(argv=None) -> int:
         return 2
     if not results:  # a non-zero torchrun rank: rank 0 reports
         return 0
+    if json_path:
+        write_json(json_path, opts, results)
     return 0 if report(results) else 1
 
 

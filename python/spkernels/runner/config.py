@@ -32,6 +32,9 @@ class ModelConfig:
     num_experts: int = 0
     moe_top_k: int = 2
     moe_ffn_size: int = 64
+    # Multi-token prediction: 1 adds the MTP draft layer (runner/mtp.py; its weights under ``mtp.``),
+    # 0 leaves it out. It shares the embedding and the LM head with the target.
+    mtp_layers: int = 0
     # Logit spread of the random LM head (std of the logits in units of the normalised hidden): wide
     # spreads give top-2 margins far above the bf16 noise between TP layouts, so greedy tokens are a
     # fair thing to compare across tp sizes and modes.
@@ -103,6 +106,8 @@ class ModelConfig:
             )
         if not self.engram_orders or any(not isinstance(n, int) or n < 1 for n in self.engram_orders):
             raise ValueError(f"config.engram_orders must be positive n-gram orders, got {self.engram_orders}")
+        if self.mtp_layers not in (0, 1) or isinstance(self.mtp_layers, bool):
+            raise ValueError(f"config.mtp_layers must be 0 or 1 (one MTP layer), got {self.mtp_layers!r}")
         if not isinstance(self.num_experts, int) or self.num_experts < 0:
             raise ValueError(f"config.num_experts must be an int >= 0 (0: dense FFN), got {self.num_experts}")
         if self.num_experts:

@@ -21,8 +21,10 @@ from ..policy import SPPolicy
 from .config import ModelConfig, preset
 from .engine import MICROBATCH_MIN_TOKENS, Engine
 from .model import Model
+from .mtp import MTPLayer
 from .pipeline import make_stage
 from .profile import Profiler
+from .speculative import DRAFT_MODES, SpeculativeEngine
 from .weights import load_weights, random_weights, save_weights
 
 DEFAULT_CUDA_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -49,6 +51,10 @@ class RunOptions:
     prompt_len: int | None = None  # longest synthetic prompt; the others are shorter, varied
     prompt_lens: tuple[int, ...] | None = None  # explicit lengths instead (overrides prompts, prompt_len)
     gen: int = 16
+    # Speculative decoding: K tokens drafted per request per step (None: plain decoding), and what
+    # proposes them (speculative.DRAFT_MODES: the MTP layer, or the oracle / wrong of tests and bounds).
+    mtp: int | None = None
+    mtp_draft: str = "mtp"
     seed: int = 0
     warmup: int = 0  # untimed generations before the measured one
     repeat: int = 1  # measured generations; throughput is their median (profile: the last one)
@@ -144,25 +150,37 @@ def plan(opts: RunOptions, config: ModelConfig | None = None) -> Plan:
     config.validate(opts.tp, opts.pp)
     if opts.arch != config.arch:
         raise ValueError(f"--arch {opts.arch} but the weights are for {config.arch}")
+    drafts = _check_mtp(opts, config)
     prompts = make_prompts(opts, config.vocab_size)
-    needed = max(len(p) for p in prompts) + opts.gen
+    needed = max(len(p) for p in prompts) + opts.gen + drafts  # a verify writes K positions ahead
     if needed > config.max_seq_len:
         raise ValueError(
-            f"the longest request needs {needed} positions (prompt + --gen), above the model's "
+            f"the longest request needs {needed} positions (prompt + --gen + --mtp), above the model's "
             f"max_seq_len = {config.max_seq_len}"
         )
     capture = (
         opts.capture_sizes
         if opts.capture_sizes is not None
-        else (DEFAULT_CUDA_CAPTURE_SIZES if graphs else ())
+        else (mtp_capture_sizes(drafts) if graphs else ())
     )
     sp_threshold = None if opts.tp == 1 else opts.sp_threshold
     policy = SPPolicy(opts.tp, sp_threshold, capture, hidden_size=config.hidden_size)
     budget = opts.max_tokens_per_step
     if not isinstance(budget, int) or budget < 1:
         raise ValueError(f"--max-tokens-per-step must be a positive int, got {budget!r}")
-    # The largest padded step: a full eager step, or the bucket of the largest decode batch.
-    capacity = max(policy.pad(budget, False), policy.pad(min(len(prompts), budget), True))
+    if budget < drafts + 1:
+        raise ValueError(
+            f"--max-tokens-per-step {budget} cannot hold one verify of --mtp {drafts} + 1 tokens"
+        )
+    if drafts and graphs and policy.max_capture_size < drafts + 1:
+        raise ValueError(
+            f"--mtp {drafts}: a verify batch has K + 1 = {drafts + 1} tokens per request, above the "
+            f"largest capture size {policy.max_capture_size} (--capture-sizes {policy.capture_sizes}); "
+            f"capture a size of at least {drafts + 1} or use --no-graphs"
+        )
+    # The largest padded step: a full eager step, or the bucket of the largest decode (verify) batch.
+    decode_tokens = min(len(prompts) * (drafts + 1), budget)
+    capacity = max(policy.pad(budget, False), policy.pad(decode_tokens, True))
     if opts.comm_max_tokens is not None:
         if capacity > opts.comm_max_tokens:
             raise ValueError(
@@ -173,6 +191,35 @@ def plan(opts: RunOptions, config: ModelConfig | None = None) -> Plan:
         capacity = opts.comm_max_tokens
     kv_len = min(_round_up(needed, 16), config.max_seq_len)
     return Plan(config, prompts, policy, graphs, kv_len, capacity)
+
+
+def mtp_capture_sizes(drafts: int) -> tuple[int, ...]:
+    """The default capture sizes, and with K drafts also K + 1 times each: a verify batch of B requests
+    has B (K + 1) tokens, its drafts B."""
+    sizes = set(DEFAULT_CUDA_CAPTURE_SIZES)
+    if drafts:
+        sizes |= {(drafts + 1) * s for s in DEFAULT_CUDA_CAPTURE_SIZES}
+    return tuple(sorted(sizes))
+
+
+def _check_mtp(opts: RunOptions, config: ModelConfig) -> int:
+    """-> K, the drafted tokens per step (0 without --mtp)."""
+    if opts.mtp is None:
+        return 0
+    if type(opts.mtp) is not int or opts.mtp < 1:
+        raise ValueError(f"--mtp K drafts K >= 1 tokens per step, got {opts.mtp!r}")
+    if opts.mtp_draft not in DRAFT_MODES:
+        raise ValueError(f"--mtp-draft must be one of {DRAFT_MODES}, got {opts.mtp_draft!r}")
+    if not config.mtp_layers:
+        raise ValueError(
+            f"--mtp: {opts.load_weights} has no MTP layer (its config has mtp_layers = 0); save weights "
+            f"with one (--mtp with random weights adds it)"
+        )
+    if opts.microbatches > 1:
+        raise ValueError(
+            "--mtp runs each step as one forward (drafts follow the verify): use --microbatches 1"
+        )
+    return opts.mtp
 
 
 def _load_config(opts: RunOptions) -> ModelConfig:
@@ -188,6 +235,7 @@ def preset_config(opts: RunOptions) -> ModelConfig:
         engram_layers=opts.engram_layers,
         num_experts=opts.num_experts,
         num_layers=opts.num_layers,
+        mtp_layers=1 if opts.mtp is not None else None,
     )
 
 
@@ -215,11 +263,11 @@ def _generate(
     record: bool,
     microbatches=1,
     profile=False,
+    mtp=None,
+    oracle=None,
 ):
-    engine = Engine(
-        model,
-        policy,
-        opts.max_tokens_per_step,
+    """``mtp``: (the MTPLayer on the last stage, else None) for speculative decoding; None: plain."""
+    kwargs = dict(
         record_logits=record,
         check_graphs=opts.check_graphs and graphs,
         log=log,
@@ -228,8 +276,16 @@ def _generate(
         # a distributed model's steps start with its ranks met (not rank 0's lone --check reference)
         meet=_sync_ranks if model.comm is not None or model.stage is not None else None,
     )
+    if mtp is None:
+        engine = Engine(model, policy, opts.max_tokens_per_step, **kwargs)
+        max_batch = min(len(plan_.prompts), opts.max_tokens_per_step)
+    else:
+        engine = SpeculativeEngine(
+            model, mtp[0], policy, opts.max_tokens_per_step, opts.mtp, opts.mtp_draft, oracle, **kwargs
+        )
+        max_batch = min(len(plan_.prompts), opts.max_tokens_per_step // (opts.mtp + 1))
     if graphs:
-        engine.capture(min(len(plan_.prompts), opts.max_tokens_per_step))
+        engine.capture(max_batch)
     for _ in range(opts.warmup):  # untimed: first-call costs (cuBLAS heuristics, allocator) stay out
         engine.generate(plan_.prompts, opts.gen)
     rates = {"prefill_tokens_per_s": [], "decode_ms_per_step": []}  # per measured generation
@@ -363,6 +419,12 @@ def worker(rank: int, world_size: int, opts: RunOptions) -> dict | None:
         comm = Communicator(group, max_tokens=plan_.comm_capacity, hidden_size=config.hidden_size)
     try:
         model = Model(config, weights, device, comm, len(plan_.prompts), plan_.kv_len, stage)
+        mtp = None
+        if opts.mtp is not None:  # (the draft layer on the last stage, else None)
+            layer = None
+            if model.last_stage:
+                layer = MTPLayer(config, weights, device, comm, len(plan_.prompts), plan_.kv_len, model)
+            mtp = (layer,)
         if not keep_weights:
             del weights  # the full model, generated on every rank: keep only the shard
         if device.type == "cuda":  # peak memory of the run, not of generating the full weights
@@ -377,8 +439,22 @@ def worker(rank: int, world_size: int, opts: RunOptions) -> dict | None:
                 f"backend={comm.backend if comm else 'local'}, device={device}"
             )
         record = opts.check or opts.record_logits
+        oracle = None
+        if mtp is not None and opts.mtp_draft != "mtp":  # the plain run's tokens, untimed and eager
+            plain = Engine(model, plan_.policy, opts.max_tokens_per_step, meet=_sync_ranks)
+            oracle = [r.generated for r in plain.generate(plan_.prompts, opts.gen)]
         requests, stats, steps, forwards = _generate(
-            model, plan_, opts, plan_.policy, plan_.graphs, log, record, opts.microbatches, opts.profile
+            model,
+            plan_,
+            opts,
+            plan_.policy,
+            plan_.graphs,
+            log,
+            record,
+            opts.microbatches,
+            opts.profile,
+            mtp=mtp,
+            oracle=oracle,
         )
         del model
         tokens = [r.generated for r in requests]

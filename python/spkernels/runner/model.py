@@ -111,6 +111,9 @@ class Model:
         self.inv_freq = config.rope_theta ** (-torch.arange(half, device=dev, dtype=torch.float32) / half)
         self.peak_stream_bytes = 0
         self.pending_sends: list = []  # (work, buffer) of this stage's sends in flight (pipeline.isend)
+        # With an MTP draft (mtp.py) the last stage keeps each forward's whole pre-head stream, flat
+        # [rows, hc * D] (all rows, before sample_idx): the draft's previous_hidden.
+        self.stash_residual, self.residual = False, None
 
     # ------------------------------------------------------------------ sublayers
     def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -246,6 +249,15 @@ class Model:
                 out = pipeline.stage_exit(out, batch.num_tokens, use_sp, self.comm)
             self.pending_sends += pipeline.isend(out, self.stage.world_rank(self.stage.index + 1))
             return None
+        if self.stash_residual:
+            # The draft needs every token's whole stream: gather it (and pre_mix) first, then collapse
+            # the full tensors: the same per-token math as collapsing the shard.
+            if use_sp:
+                stream = ops.sp_all_gather(stream, batch.num_tokens, self.comm.handle)
+                if self.delayed:
+                    pre_mix = ops.sp_all_gather(pre_mix, batch.num_tokens, self.comm.handle)
+                use_sp = False
+            self.residual = stream.flatten(1)
         if self.delayed:  # reference.collapse: bf16(sum_i w_i X_i) in fp32, w the last pre_mix
             hidden = (pre_mix.unsqueeze(-1) * stream.float()).sum(dim=1).to(torch.bfloat16)
         else:

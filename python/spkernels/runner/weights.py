@@ -70,24 +70,47 @@ def _engram_specs(prefix: str, config: ModelConfig) -> dict:
     return specs
 
 
-def param_specs(config: ModelConfig) -> dict:
-    """name -> (shape, dtype, init); the full (unsharded) model."""
+def _layer_specs(p: str, config: ModelConfig, engram: bool) -> dict:
     dim, inner, ffn = config.hidden_size, config.num_heads * config.head_dim, config.ffn_size
+    specs = _mix_specs(f"{p}.attn_mix", config)
+    for name in ("wq", "wk", "wv"):
+        specs[f"{p}.attn.{name}"] = ((inner, dim), bf16, ("normal", 1 / math.sqrt(dim)))
+    specs[f"{p}.attn.wo"] = ((dim, inner), bf16, ("normal", 1 / math.sqrt(inner)))
+    specs.update(_mix_specs(f"{p}.ffn_mix", config))
+    specs[f"{p}.ffn.w_gate"] = ((ffn, dim), bf16, ("normal", 1 / math.sqrt(dim)))
+    specs[f"{p}.ffn.w_up"] = ((ffn, dim), bf16, ("normal", 1 / math.sqrt(dim)))
+    specs[f"{p}.ffn.w_down"] = ((dim, ffn), bf16, ("normal", 1 / math.sqrt(ffn)))
+    if config.num_experts:
+        specs.update(_moe_specs(p, config))
+    if engram:
+        specs.update(_engram_specs(p, config))
+    return specs
+
+
+def _mtp_specs(config: ModelConfig) -> dict:
+    """The MTP draft layer: enorm/hnorm, e_proj/h_proj, one decoder block (``mtp.layer``, no Engram),
+    its own exit (head_mix in V4) and final norm; the embedding and LM head are the target's."""
+    if not config.mtp_layers:
+        return {}
+    dim = config.hidden_size
+    specs = {
+        "mtp.enorm.weight": ((dim,), bf16, ("uniform", 0.8, 1.2)),
+        "mtp.hnorm.weight": ((dim,), bf16, ("uniform", 0.8, 1.2)),
+        "mtp.e_proj.weight": ((dim, dim), bf16, ("normal", 1 / math.sqrt(dim))),
+        "mtp.h_proj.weight": ((dim, dim), bf16, ("normal", 1 / math.sqrt(dim))),
+    }
+    specs.update(_layer_specs("mtp.layer", config, engram=False))
+    if config.arch == "v4":
+        specs.update(_mix_specs("mtp.head_mix", config, head=True))
+    specs["mtp.norm.weight"] = ((dim,), bf16, ("uniform", 0.8, 1.2))
+    return specs
+
+
+def _target_specs(config: ModelConfig) -> dict:
+    dim = config.hidden_size
     specs = {"embed.weight": ((config.vocab_size, dim), bf16, ("normal", 1.0))}
     for i in range(config.num_layers):
-        p = f"layers.{i}"
-        specs.update(_mix_specs(f"{p}.attn_mix", config))
-        for name in ("wq", "wk", "wv"):
-            specs[f"{p}.attn.{name}"] = ((inner, dim), bf16, ("normal", 1 / math.sqrt(dim)))
-        specs[f"{p}.attn.wo"] = ((dim, inner), bf16, ("normal", 1 / math.sqrt(inner)))
-        specs.update(_mix_specs(f"{p}.ffn_mix", config))
-        specs[f"{p}.ffn.w_gate"] = ((ffn, dim), bf16, ("normal", 1 / math.sqrt(dim)))
-        specs[f"{p}.ffn.w_up"] = ((ffn, dim), bf16, ("normal", 1 / math.sqrt(dim)))
-        specs[f"{p}.ffn.w_down"] = ((dim, ffn), bf16, ("normal", 1 / math.sqrt(ffn)))
-        if config.num_experts:
-            specs.update(_moe_specs(p, config))
-        if i in config.engram_layers:
-            specs.update(_engram_specs(p, config))
+        specs.update(_layer_specs(f"layers.{i}", config, i in config.engram_layers))
     if config.arch == "v4":  # V4.1 has no learned head: its exit collapses with the last pre_mix
         specs.update(_mix_specs("head_mix", config, head=True))
     specs["norm.weight"] = ((dim,), bf16, ("uniform", 0.8, 1.2))
@@ -95,16 +118,14 @@ def param_specs(config: ModelConfig) -> dict:
     return specs
 
 
+def param_specs(config: ModelConfig) -> dict:
+    """name -> (shape, dtype, init); the full (unsharded) model, MTP layer included."""
+    return {**_target_specs(config), **_mtp_specs(config)}
+
+
 def random_weights(config: ModelConfig, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
     gen = torch.Generator(device=device).manual_seed(seed)
-    weights = {}
-    for name, (shape, dtype, init) in param_specs(config).items():
-        t = torch.empty(shape, dtype=f32, device=device)
-        if init[0] == "normal":
-            t.normal_(0.0, init[1], generator=gen)
-        else:
-            t.uniform_(init[1], init[2], generator=gen)
-        weights[name] = t.to(dtype)
+    weights = _draw(_target_specs(config), gen, device)
     if config.lm_head_init == "permuted-embedding":
         # LM head row v = embedding row perm[v]: the residual path then favours one next token per
         # input token by ~sqrt(D) standard deviations of the other logits, while attention and FFN
@@ -113,6 +134,20 @@ def random_weights(config: ModelConfig, seed: int, device: torch.device) -> dict
         perm = torch.randperm(config.vocab_size, generator=gen, device=device)
         scale = config.logit_std / math.sqrt(config.hidden_size)
         weights["lm_head.weight"] = (weights["embed.weight"].float()[perm] * scale).to(bf16)
+    # drawn last: a config with the MTP layer has the same target weights as one without it
+    weights.update(_draw(_mtp_specs(config), gen, device))
+    return weights
+
+
+def _draw(specs: dict, gen: torch.Generator, device) -> dict[str, torch.Tensor]:
+    weights = {}
+    for name, (shape, dtype, init) in specs.items():
+        t = torch.empty(shape, dtype=f32, device=device)
+        if init[0] == "normal":
+            t.normal_(0.0, init[1], generator=gen)
+        else:
+            t.uniform_(init[1], init[2], generator=gen)
+        weights[name] = t.to(dtype)
     return weights
 
 
