@@ -59,7 +59,7 @@ TORCH_LIBRARY(spkernels, m) {
   m.def("_nccl_unique_id() -> int[]", &spk::nccl_unique_id);
   m.def(
       "_comm_create(int handle, int[] unique_id, int rank, int world_size, int device, int max_tokens, "
-      "int hidden_size, int hc, bool fused, float barrier_timeout_s) -> int",
+      "int hidden_size, int hc, bool fused, bool tp_push, float barrier_timeout_s) -> int",
       &spk::comm_create);
   m.def("_comm_destroy(int handle) -> ()", &spk::comm_destroy);
   m.def("_comm_partial_buffer(int handle, int num_tokens) -> Tensor", &spk::comm_partial_buffer);

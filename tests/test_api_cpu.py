@@ -283,3 +283,47 @@ def test_compiled_graph_is_the_ops_alone(mhc):
     targets = {str(n.target) for n in calls}
     assert "spkernels.mhc_post_pre.default" in targets
     assert all(t == "spkernels.mhc_post_pre.default" or "getitem" in t for t in targets), targets
+
+
+# ----------------------------------------------------------------------------- Communicator settings
+def test_communicator_settings_default_to_the_environment(monkeypatch, group1):
+    for name in ("SPK_FUSED", "SPK_TP_PUSH", "SPK_BARRIER_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    with Communicator(group1, max_tokens=8, hidden_size=8) as comm:
+        assert (comm.fused, comm.tp_push, comm.barrier_timeout_s) == (True, True, 120.0)
+    monkeypatch.setenv("SPK_FUSED", "0")
+    monkeypatch.setenv("SPK_TP_PUSH", "0")
+    monkeypatch.setenv("SPK_BARRIER_TIMEOUT", "3")
+    with Communicator(group1, max_tokens=8, hidden_size=8) as comm:
+        assert (comm.fused, comm.tp_push, comm.barrier_timeout_s) == (False, False, 3.0)
+
+
+def test_communicator_arguments_override_the_environment(monkeypatch, group1):
+    monkeypatch.setenv("SPK_FUSED", "0")
+    monkeypatch.setenv("SPK_TP_PUSH", "0")
+    monkeypatch.setenv("SPK_BARRIER_TIMEOUT", "not a number")  # never read: the argument wins
+    with Communicator(group1, max_tokens=8, hidden_size=8, fused=True, tp_push=True, barrier_timeout=0) as c:
+        assert (c.fused, c.tp_push, c.barrier_timeout_s) == (True, True, 0.0)
+    monkeypatch.delenv("SPK_FUSED")
+    monkeypatch.delenv("SPK_TP_PUSH")
+    monkeypatch.delenv("SPK_BARRIER_TIMEOUT")
+    with Communicator(
+        group1, max_tokens=8, hidden_size=8, fused=False, tp_push=False, barrier_timeout=2.5
+    ) as c:
+        assert (c.fused, c.tp_push, c.barrier_timeout_s) == (False, False, 2.5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        ({"fused": 1}, "fused"),
+        ({"tp_push": "no"}, "tp_push"),
+        ({"barrier_timeout": -1}, "barrier_timeout"),
+        ({"barrier_timeout": float("inf")}, "barrier_timeout"),
+        ({"barrier_timeout": "2"}, "barrier_timeout"),
+        ({"barrier_timeout": True}, "barrier_timeout"),
+    ],
+)
+def test_communicator_bad_setting_is_named(group1, kwargs, named):
+    with pytest.raises(ValueError, match=rf"\b{named}\b"):
+        Communicator(group1, max_tokens=8, hidden_size=8, **kwargs)
