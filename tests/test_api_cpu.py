@@ -25,6 +25,21 @@ def params_of(p: dict, **scalars) -> MhcParams:
     return MhcParams(p["fn"], p["scale"], p["base"], p.get("norm_weight"), **scalars)
 
 
+def op_args(p: MhcParams, pre_mix_in, comm=None) -> tuple:
+    """MhcParams and pre_mix_in in the order of the ops' schemas (sinkhorn_eps last, after comm)."""
+    eps = (p.rms_eps, p.hc_eps, p.norm_eps, p.sinkhorn_iters, p.post_alpha)
+    return (
+        p.fn,
+        p.scale,
+        p.base,
+        p.norm_weight,
+        pre_mix_in,
+        *eps,
+        *(() if comm is None else (comm,)),
+        p.sinkhorn_eps,
+    )
+
+
 def mixes_of(mhc, num_tokens: int) -> Mixes:
     post_mix, res_mix = mhc.mixes(num_tokens)
     return Mixes(post_mix, res_mix, mhc.pre_mix_in(num_tokens))
@@ -47,6 +62,7 @@ def check_pre(mhc, res, stream, p: MhcParams, pre_mix_in) -> None:
     want = ref.mhc_pre(
         stream, p.fn, p.scale, p.base, p.norm_weight, pre_mix_in,
         p.rms_eps, p.hc_eps, p.norm_eps, p.sinkhorn_iters, p.post_alpha, compute_dtype=f64,
+        sinkhorn_eps=p.sinkhorn_eps,
     )  # fmt: skip
     assert isinstance(res, spkernels.PreResult) and isinstance(res.mixes, Mixes)
     mhc.assert_bf16_close(res.layer_input, want[0], "layer_input", ulps=1 if p.norm_weight is None else 2)
@@ -64,7 +80,7 @@ def test_mhc_pre(mhc, delayed, norm):
     pre_in = mhc.pre_mix_in(T) if delayed else None
     res = spkernels.mhc_pre(stream, p, pre_mix_in=pre_in)
     check_pre(mhc, res, stream, p, pre_in)
-    assert_same(res, ops.mhc_pre(stream, *p[:4], pre_in, *p[4:]))
+    assert_same(res, ops.mhc_pre(stream, *op_args(p, pre_in)))
 
 
 def test_mhc_post(mhc):
@@ -85,7 +101,7 @@ def test_mhc_post_pre(mhc, delayed):
     assert isinstance(res, spkernels.BoundaryResult)
     mhc.assert_bf16_close(res.stream, ref.mhc_post(y, stream, *mixes[:2], compute_dtype=f64), "stream")
     check_pre(mhc, spkernels.PreResult(res.layer_input, res.mixes), res.stream, p, pre_in)
-    assert_same(res, ops.mhc_post_pre(y, stream, *mixes[:2], *p[:4], pre_in, *p[4:]))
+    assert_same(res, ops.mhc_post_pre(y, stream, *mixes[:2], *op_args(p, pre_in)))
 
 
 def test_mhc_head(mhc):
@@ -104,7 +120,10 @@ def test_params_scalars_reach_the_op(mhc):
     stream[1] *= 1e-3  # a tiny token, so rms_eps and norm_eps matter
     site = mhc.site(D)
     default = spkernels.mhc_pre(stream, params_of(site))
-    changes = {"rms_eps": 1e-2, "hc_eps": 1e-2, "norm_eps": 1e-1, "sinkhorn_iters": 3, "post_alpha": 1.5}
+    changes = {
+        "rms_eps": 1e-2, "hc_eps": 1e-2, "sinkhorn_eps": 1e-1, "norm_eps": 1e-1, "sinkhorn_iters": 3,
+        "post_alpha": 1.5,
+    }  # fmt: skip
     for name, value in changes.items():
         p = params_of(site, **{name: value})
         res = spkernels.mhc_pre(stream, p)
@@ -114,10 +133,32 @@ def test_params_scalars_reach_the_op(mhc):
         ), f"{name} does not reach the op"
 
 
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "tp"])
+def test_sinkhorn_eps_apart_from_hc_eps(mhc, comm1, sp):
+    """sinkhorn_eps != hc_eps: the pre weights follow hc_eps, the Sinkhorn sinkhorn_eps, through
+    every op that runs a pre (and None is exactly hc_eps)."""
+    T, D = 4, 64
+    stream, partial, mixes = mhc.stream(T, D), mhc.y(T, D), mixes_of(mhc, T)
+    site = mhc.site(D)
+    p = params_of(site, hc_eps=1e-2, sinkhorn_eps=3e-1)
+    res = spkernels.mhc_pre(stream, p)
+    check_pre(mhc, res, stream, p, None)
+    swapped = spkernels.mhc_pre(stream, params_of(site, hc_eps=3e-1, sinkhorn_eps=1e-2))
+    assert not torch.equal(res.mixes.pre_mix, swapped.mixes.pre_mix)
+    assert not torch.equal(res.mixes.res_mix, swapped.mixes.res_mix)
+    same = params_of(site, hc_eps=1e-2)
+    assert_same(spkernels.mhc_pre(stream, same), spkernels.mhc_pre(stream, same._replace(sinkhorn_eps=1e-2)))
+    assert_same(spkernels.sp_pre(stream, p, comm1), res)
+    boundary = spkernels.sp_boundary if sp else spkernels.tp_boundary
+    local = spkernels.mhc_post_pre(partial, stream, mixes, p)
+    check_pre(mhc, spkernels.PreResult(local.layer_input, local.mixes), local.stream, p, None)
+    assert_same(boundary(partial, stream, mixes, p, comm1), local)
+
+
 def test_params_defaults_are_the_schemas():
     """The scalars' defaults live in reference.py; the op schemas state the same numbers."""
     schema = {a.name: a.default_value for a in ops.mhc_pre.default._schema.arguments}
-    for name in ("rms_eps", "hc_eps", "norm_eps", "sinkhorn_iters", "post_alpha"):
+    for name in ("rms_eps", "hc_eps", "norm_eps", "sinkhorn_iters", "post_alpha", "sinkhorn_eps"):
         assert MhcParams._field_defaults[name] == schema[name], name
     head = {a.name: a.default_value for a in ops.mhc_head.default._schema.arguments}
     assert (head["rms_eps"], head["hc_eps"]) == (ref.RMS_EPS, ref.HC_EPS)
@@ -155,13 +196,13 @@ def test_comm_functions_tp1(mhc, comm1, delayed):
         assert_same(out, op(partial, stream, *mixes[:2], h))
     res = spkernels.sp_pre(stream, p, comm1, pre_mix_in=pre_in)
     assert_same(res, spkernels.mhc_pre(stream, p, pre_mix_in=pre_in))
-    assert_same(res, ops.mhc_pre_ag(stream, *p[:4], pre_in, *p[4:], h))
+    assert_same(res, ops.mhc_pre_ag(stream, *op_args(p, pre_in, h)))
     local = spkernels.mhc_post_pre(partial, stream, mixes, p, pre_mix_in=pre_in)
     pairs = ((spkernels.sp_boundary, ops.mhc_post_pre_rs_ag), (spkernels.tp_boundary, ops.mhc_post_pre_ar))
     for fn, op in pairs:
         res = fn(partial, stream, mixes, p, comm1, pre_mix_in=pre_in)
         assert_same(res, local)
-        assert_same(res, op(partial, stream, *mixes[:2], *p[:4], pre_in, *p[4:], h))
+        assert_same(res, op(partial, stream, *mixes[:2], *op_args(p, pre_in, h)))
     assert_same(spkernels.sp_shard(stream, comm1), stream)
     assert_same(spkernels.sp_all_gather(stream, T - 1, comm1), stream[: T - 1])
 

@@ -62,8 +62,8 @@ void check_barrier(const CommState& c) {
   char timeout[32];
   std::snprintf(timeout, sizeof(timeout), "%g", c.barrier_timeout_s);  // C stdio: no iostream facets
   SPK_CHECK(false, "spkernels: rank ", c.rank, "'s LSA barrier (", barrier_site_name(e->site), ", CTA ", e->cta,
-            ") timed out after ", timeout, " s (barrier_timeout, default SPK_BARRIER_TIMEOUT) waiting for rank ", e->peer,
-            ": a peer died or stopped calling the same ops. Communicator ", c.handle,
+            ") timed out after ", timeout, " s (barrier_timeout, default SPK_BARRIER_TIMEOUT) waiting for rank ",
+            e->peer, ": a peer died or stopped calling the same ops. Communicator ", c.handle,
             " is unusable: close() aborts it; recreate the process group (exiting the process is the sure "
             "way out with a peer gone)");
 }

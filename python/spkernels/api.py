@@ -51,8 +51,11 @@ class MhcParams(NamedTuple):
     [hc]; the head uses only ``rms_eps`` and ``hc_eps`` of the scalars.
 
     ``rms_eps``: inside the RMS factor of the stream; ``hc_eps``: added to each pre weight
-    (vLLM's ``hc_pre_eps``); ``norm_eps``: the fused RMSNorm's; ``sinkhorn_iters``: Sinkhorn
-    sweeps; ``post_alpha``: the post weights' multiplier (vLLM's ``hc_post_mult_value``).
+    (vLLM's ``hc_pre_eps``); ``sinkhorn_eps``: added to the softmax and to every row and column
+    sum of the Sinkhorn (vLLM's ``hc_sinkhorn_eps``; None = ``hc_eps``, as in DeepSeek's
+    checkpoints, which have one ``hc_eps``); ``norm_eps``: the fused RMSNorm's;
+    ``sinkhorn_iters``: Sinkhorn sweeps; ``post_alpha``: the post weights' multiplier (vLLM's
+    ``hc_post_mult_value``).
     """
 
     fn: torch.Tensor
@@ -61,6 +64,7 @@ class MhcParams(NamedTuple):
     norm_weight: torch.Tensor | None = None
     rms_eps: float = ref.RMS_EPS
     hc_eps: float = ref.HC_EPS
+    sinkhorn_eps: float | None = None
     norm_eps: float = ref.NORM_EPS
     sinkhorn_iters: int = ref.SINKHORN_ITERS
     post_alpha: float = ref.POST_ALPHA
@@ -115,7 +119,7 @@ def mhc_pre(stream: torch.Tensor, params: MhcParams, *, pre_mix_in: torch.Tensor
     p = params
     out = _mhc_pre(
         stream, p.fn, p.scale, p.base, p.norm_weight, pre_mix_in,
-        p.rms_eps, p.hc_eps, p.norm_eps, p.sinkhorn_iters, p.post_alpha,
+        p.rms_eps, p.hc_eps, p.norm_eps, p.sinkhorn_iters, p.post_alpha, p.sinkhorn_eps,
     )  # fmt: skip
     return _pre_result(out)
 
@@ -133,7 +137,7 @@ def mhc_post_pre(
     p = params
     out = _mhc_post_pre(
         y, stream, mixes.post_mix, mixes.res_mix, p.fn, p.scale, p.base, p.norm_weight, pre_mix_in,
-        p.rms_eps, p.hc_eps, p.norm_eps, p.sinkhorn_iters, p.post_alpha,
+        p.rms_eps, p.hc_eps, p.norm_eps, p.sinkhorn_iters, p.post_alpha, p.sinkhorn_eps,
     )  # fmt: skip
     return _boundary_result(out)
 
@@ -153,7 +157,7 @@ def sp_pre(
     p = params
     out = _mhc_pre_ag(
         stream, p.fn, p.scale, p.base, p.norm_weight, pre_mix_in,
-        p.rms_eps, p.hc_eps, p.norm_eps, p.sinkhorn_iters, p.post_alpha, _handle(comm),
+        p.rms_eps, p.hc_eps, p.norm_eps, p.sinkhorn_iters, p.post_alpha, _handle(comm), p.sinkhorn_eps,
     )  # fmt: skip
     return _pre_result(out)
 
@@ -173,7 +177,7 @@ def sp_boundary(
     p = params
     out = _mhc_post_pre_rs_ag(
         partial, stream, mixes.post_mix, mixes.res_mix, p.fn, p.scale, p.base, p.norm_weight, pre_mix_in,
-        p.rms_eps, p.hc_eps, p.norm_eps, p.sinkhorn_iters, p.post_alpha, _handle(comm),
+        p.rms_eps, p.hc_eps, p.norm_eps, p.sinkhorn_iters, p.post_alpha, _handle(comm), p.sinkhorn_eps,
     )  # fmt: skip
     return _boundary_result(out)
 
@@ -202,7 +206,7 @@ def tp_boundary(
     p = params
     out = _mhc_post_pre_ar(
         partial, stream, mixes.post_mix, mixes.res_mix, p.fn, p.scale, p.base, p.norm_weight, pre_mix_in,
-        p.rms_eps, p.hc_eps, p.norm_eps, p.sinkhorn_iters, p.post_alpha, _handle(comm),
+        p.rms_eps, p.hc_eps, p.norm_eps, p.sinkhorn_iters, p.post_alpha, _handle(comm), p.sinkhorn_eps,
     )  # fmt: skip
     return _boundary_result(out)
 
