@@ -1,8 +1,17 @@
 """Fake (meta) and CPU implementations of ``torch.ops.spkernels.*`` (schemas: csrc/torch_bindings.cpp).
 
 CPU kernels are the reference math of reference.py with gloo collectives behind the
-communicator, so CI without a GPU exercises the whole op contract. Reductions follow SPEC.md §2:
-fp32 sum in rank order 0..tp-1, rounded to bf16, then the post — identical on every rank.
+communicator, so CI without a GPU exercises the whole op contract.
+
+Who validates what: each op validates its own arguments in the language of its kernel — the CPU
+kernels here, the CUDA launchers in csrc/ops/checks.h (which add the CUDA-only limits: hc = 4, D a
+multiple of 8 up to 8192, 16-byte alignment) — with the same messages, so a bad tensor raises the
+same way whether it reaches the op through spkernels.api (which validates nothing but the
+Communicator's type) or through torch.ops directly. Communicator checks (closed, capacity, hidden
+size) sit where the communicator's state lives: comm.py's registry for gloo, CommState for CUDA.
+
+Reductions follow SPEC.md §2: fp32 sum in rank order 0..tp-1, rounded to bf16, then the post —
+identical on every rank.
 """
 
 from __future__ import annotations
@@ -54,8 +63,8 @@ def _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, sinkhorn_i
         _check_tensor("norm_weight", norm_weight, bf16, (D,), dev)
     if pre_mix_in is not None:
         _check_tensor("pre_mix_in", pre_mix_in, f32, (T, hc), dev)
-    if sinkhorn_iters < 1:
-        raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
+    if not 1 <= sinkhorn_iters <= 1000:  # the CUDA launchers' range too (csrc/ops/checks.h)
+        raise ValueError(f"sinkhorn_iters must be in [1, 1000], got {sinkhorn_iters}")
 
 
 def _check_post_args(stream, post_mix, res_mix) -> None:
