@@ -23,32 +23,36 @@ std::vector<int64_t> build_info() {
 #define SPK_EPS "float rms_eps, float hc_eps, float norm_eps, int sinkhorn_iters, float post_alpha"
 #define SPK_EPS_DEFAULTS \
   "float rms_eps=1e-6, float hc_eps=1e-6, float norm_eps=1e-6, int sinkhorn_iters=20, float post_alpha=2.0"
+// The Sinkhorn's eps (vLLM's hc_sinkhorn_eps): None = hc_eps. Last in every schema that takes EPS,
+// after comm where there is one, so that calls written before it existed keep working.
+#define SPK_SINKHORN_EPS "float? sinkhorn_eps=None"
 #define SPK_PRE_ARGS "Tensor fn, Tensor scale, Tensor base, Tensor? norm_weight, Tensor? pre_mix_in"
 #define SPK_POST_ARGS "Tensor stream, Tensor post_mix, Tensor res_mix"
 
 TORCH_LIBRARY(spkernels, m) {
   // Local ops.
-  m.def("mhc_pre(Tensor stream, " SPK_PRE_ARGS ", " SPK_EPS_DEFAULTS
+  m.def("mhc_pre(Tensor stream, " SPK_PRE_ARGS ", " SPK_EPS_DEFAULTS ", " SPK_SINKHORN_EPS
         ") -> (Tensor layer_input, Tensor post_mix, Tensor res_mix, Tensor pre_mix)");
   m.def("mhc_post(Tensor y, " SPK_POST_ARGS ") -> Tensor");
-  m.def("mhc_post_pre(Tensor y, " SPK_POST_ARGS ", " SPK_PRE_ARGS ", " SPK_EPS_DEFAULTS
+  m.def("mhc_post_pre(Tensor y, " SPK_POST_ARGS ", " SPK_PRE_ARGS ", " SPK_EPS_DEFAULTS ", " SPK_SINKHORN_EPS
         ") -> (Tensor new_stream, Tensor layer_input, Tensor post_mix, Tensor res_mix, Tensor pre_mix)");
   m.def(
       "mhc_head(Tensor stream, Tensor fn, Tensor scale, Tensor base, float rms_eps=1e-6, "
       "float hc_eps=1e-6) -> Tensor");
   // SP mode: the stream is this rank's token shard; partial is [T, D] with T the padded total.
   m.def("mhc_post_rs(Tensor partial, " SPK_POST_ARGS ", int comm) -> Tensor");
-  m.def("mhc_pre_ag(Tensor stream, " SPK_PRE_ARGS ", " SPK_EPS
-        ", int comm) -> (Tensor layer_input, Tensor post_mix, Tensor res_mix, Tensor pre_mix)");
+  m.def("mhc_pre_ag(Tensor stream, " SPK_PRE_ARGS ", " SPK_EPS ", int comm, " SPK_SINKHORN_EPS
+        ") -> (Tensor layer_input, Tensor post_mix, Tensor res_mix, Tensor pre_mix)");
   m.def("mhc_post_pre_rs_ag(Tensor partial, " SPK_POST_ARGS ", " SPK_PRE_ARGS ", " SPK_EPS
-        ", int comm) -> (Tensor new_stream, Tensor layer_input, Tensor post_mix, Tensor res_mix, "
+        ", int comm, " SPK_SINKHORN_EPS
+        ") -> (Tensor new_stream, Tensor layer_input, Tensor post_mix, Tensor res_mix, "
         "Tensor pre_mix)");
   m.def("sp_all_gather(Tensor x_local, int num_tokens, int comm) -> Tensor");
   m.def("sp_shard(Tensor x, int comm) -> Tensor");
   // TP mode: the stream is replicated on every rank.
   m.def("mhc_post_ar(Tensor partial, " SPK_POST_ARGS ", int comm) -> Tensor");
-  m.def("mhc_post_pre_ar(Tensor partial, " SPK_POST_ARGS ", " SPK_PRE_ARGS ", " SPK_EPS
-        ", int comm) -> (Tensor new_stream, Tensor layer_input, Tensor post_mix, Tensor res_mix, "
+  m.def("mhc_post_pre_ar(Tensor partial, " SPK_POST_ARGS ", " SPK_PRE_ARGS ", " SPK_EPS ", int comm, " SPK_SINKHORN_EPS
+        ") -> (Tensor new_stream, Tensor layer_input, Tensor post_mix, Tensor res_mix, "
         "Tensor pre_mix)");
 
   // Private: build facts and the CUDA communicator's lifetime (python/spkernels/comm.py).
@@ -59,7 +63,7 @@ TORCH_LIBRARY(spkernels, m) {
   m.def("_nccl_unique_id() -> int[]", &spk::nccl_unique_id);
   m.def(
       "_comm_create(int handle, int[] unique_id, int rank, int world_size, int device, int max_tokens, "
-      "int hidden_size, int hc, bool fused, float barrier_timeout_s) -> int",
+      "int hidden_size, int hc, bool fused, bool tp_push, float barrier_timeout_s) -> int",
       &spk::comm_create);
   m.def("_comm_destroy(int handle) -> ()", &spk::comm_destroy);
   m.def("_comm_partial_buffer(int handle, int num_tokens) -> Tensor", &spk::comm_partial_buffer);

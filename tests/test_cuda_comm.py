@@ -8,8 +8,6 @@ Tolerances as in test_cuda_local.py.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -115,13 +113,11 @@ def _fused_worker(rank, world_size, D, sizes):
     import spkernels
 
     results = {}
-    for backend_env in ("1", "0"):
-        os.environ["SPK_FUSED"] = backend_env
-        with spkernels.Communicator(max_tokens=max(sizes), hidden_size=D) as comm:
-            assert comm.backend == ("lsa" if backend_env == "1" else "nccl"), comm.backend
+    for fused in (True, False):
+        with spkernels.Communicator(max_tokens=max(sizes), hidden_size=D, fused=fused) as comm:
+            assert comm.backend == ("lsa" if fused else "nccl"), comm.backend
             for i, T in enumerate(sizes):
                 results[(comm.backend, T)] = _check_case(comm, T, D, seed=1000 * D + T, zero_copy=bool(i % 2))
-    os.environ["SPK_FUSED"] = "1"
     # lsa and nccl backends agree (up to NCCL's own summation order in bf16).
     import conftest
 
@@ -242,12 +238,11 @@ def _gather_race_worker(rank, world_size, T, D):
     copy-in reading before the pushes landed, changes rows."""
     import spkernels
 
-    os.environ["SPK_FUSED"] = "1"
     ops = torch.ops.spkernels
     eps = (1e-6, 1e-6, 1e-6, 20, 2.0)
     n = T // world_size
     rows = slice(rank * n, (rank + 1) * n)
-    with spkernels.Communicator(max_tokens=T, hidden_size=D) as comm:
+    with spkernels.Communicator(max_tokens=T, hidden_size=D, fused=True) as comm:
         assert comm.backend == "lsa", comm.backend
         stream, post_mix, res_mix, site, _, partials = _gen_inputs(21, T, D, rank)
         pre_args = (site["fn"], site["scale"], site["base"], site["norm_weight"], None)
@@ -297,13 +292,12 @@ def _tp_push_race_worker(rank, world_size, D):
     (T = 200), interleaved with mhc_post_pre_ar calls (pulled: the same window's barriers and
     partial region), the zero-copy partial rewritten right after each call, one rank lagging by a
     varying amount before each call, must each give bitwise the result of the same call on a
-    communicator that only pulls (SPK_TP_PUSH=0), run alone between host syncs: a row read before
+    communicator that only pulls (tp_push=False), run alone between host syncs: a row read before
     its push landed, a slot not cleared in time or a push into a slot still being read changes rows
     or hangs (then the barrier timeout fails the test). Also: -0.0 partials (the sentinel's bits)
     arrive as zeros."""
     import spkernels
 
-    os.environ["SPK_FUSED"] = "1"
     ops = torch.ops.spkernels
     eps = (1e-6, 1e-6, 1e-6, 20, 2.0)
     Tmax = 200
@@ -322,10 +316,8 @@ def _tp_push_race_worker(rank, world_size, D):
             return ops.mhc_post_pre_ar(*post, *pre_args, *eps, comm.handle)
         return (ops.mhc_post_ar(*post, comm.handle),)
 
-    os.environ["SPK_TP_PUSH"] = "0"
-    pulled = spkernels.Communicator(max_tokens=Tmax, hidden_size=D)
-    os.environ.pop("SPK_TP_PUSH")
-    with spkernels.Communicator(max_tokens=Tmax, hidden_size=D) as comm, pulled:
+    pulled = spkernels.Communicator(max_tokens=Tmax, hidden_size=D, fused=True, tp_push=False)
+    with spkernels.Communicator(max_tokens=Tmax, hidden_size=D, fused=True, tp_push=True) as comm, pulled:
         buf = comm.partial_buffer(Tmax)
         outs = []
         for i in range(90):
@@ -358,8 +350,7 @@ def _link_probe_worker(rank, world_size):
 
     T, D = 256, 512
     probe = torch.ops.spkernels._lsa_link_probe
-    os.environ["SPK_FUSED"] = "1"
-    with spkernels.Communicator(max_tokens=T, hidden_size=D) as comm:
+    with spkernels.Communicator(max_tokens=T, hidden_size=D, fused=True) as comm:
         assert comm.backend == "lsa", comm.backend
         block = T // world_size * D * 2  # the largest: tp blocks fill the gather region
         for push in (False, True, False):
@@ -372,11 +363,9 @@ def _link_probe_worker(rank, world_size):
             with pytest.raises(RuntimeError, match="bytes must be a positive multiple of 16"):
                 probe(comm.handle, bad, False)
         torch.cuda.synchronize()
-    os.environ["SPK_FUSED"] = "0"
-    with spkernels.Communicator(max_tokens=T, hidden_size=D) as comm:
+    with spkernels.Communicator(max_tokens=T, hidden_size=D, fused=False) as comm:
         with pytest.raises(RuntimeError, match="needs the lsa backend"):
             probe(comm.handle, 1024, False)
-    os.environ["SPK_FUSED"] = "1"
     return True
 
 

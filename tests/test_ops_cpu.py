@@ -257,6 +257,7 @@ def opcheck_cases(x: dict, comm: int) -> dict:
     return {
         "mhc_pre": (ops.mhc_pre, (stream, *site_args(p))),
         "mhc_pre-delayed-eps": (ops.mhc_pre, (stream, *site_args(p, pre_in), 1e-5, 1e-5, 1e-5, 4, 1.0)),
+        "mhc_pre-sinkhorn_eps": (ops.mhc_pre, (stream, *site_args(p), 1e-5, 1e-5, 1e-5, 4, 1.0, 1e-2)),
         "mhc_post": (ops.mhc_post, (y, stream, post, res)),
         "mhc_post_pre": (ops.mhc_post_pre, (y, stream, post, res, *site_args(p, pre_in))),
         "mhc_head": (ops.mhc_head, (stream, h["fn"], h["scale"], h["base"])),
@@ -272,13 +273,24 @@ def opcheck_cases(x: dict, comm: int) -> dict:
         "sp_shard-int32-pad": (ops.sp_shard, (x["ints"], comm)),
         "mhc_post_ar": (ops.mhc_post_ar, (y, stream, post, res, comm)),
         "mhc_post_pre_ar": (ops.mhc_post_pre_ar, (y, stream, post, res, *site_args(p, pre_in), *EPS, comm)),
+        "mhc_post_pre_ar-sinkhorn_eps": (
+            ops.mhc_post_pre_ar,
+            (y, stream, post, res, *site_args(p, pre_in), *EPS, comm, 1e-2),
+        ),
     }
 
 
-LOCAL_CASES = ["mhc_pre", "mhc_pre-delayed-eps", "mhc_post", "mhc_post_pre", "mhc_head"]
+LOCAL_CASES = [
+    "mhc_pre",
+    "mhc_pre-delayed-eps",
+    "mhc_pre-sinkhorn_eps",
+    "mhc_post",
+    "mhc_post_pre",
+    "mhc_head",
+]
 COMM_CASES = [
     "mhc_post_rs", "mhc_pre_ag", "mhc_post_pre_rs_ag", "sp_all_gather-trim", "sp_all_gather-f32-3d",
-    "sp_shard", "sp_shard-int32-pad", "mhc_post_ar", "mhc_post_pre_ar",
+    "sp_shard", "sp_shard-int32-pad", "mhc_post_ar", "mhc_post_pre_ar", "mhc_post_pre_ar-sinkhorn_eps",
 ]  # fmt: skip
 
 

@@ -158,7 +158,7 @@ def test_delayed_forward_matches_reference_flow():
             ("ffn_mix", lambda li, i=i: fresh.ffn(i, li)),
         ):
             layer_input, post_mix, res_mix, pre_mix_next = ref.mhc_pre(
-                stream, *layer[site], pre_mix, *cfg.eps
+                stream, *layer[site][:4], pre_mix, *cfg.eps, sinkhorn_eps=cfg.sinkhorn_eps
             )
             stream = ref.mhc_post(sublayer(layer_input), stream, post_mix, res_mix)
             pre_mix = pre_mix_next

@@ -109,8 +109,11 @@ inline void check_pre_args(const at::Tensor& stream, const at::Tensor& fn, const
   SPK_CHECK(sinkhorn_iters >= 1 && sinkhorn_iters <= 1000, "sinkhorn_iters must be in [1, 1000], got ", sinkhorn_iters);
 }
 
-inline MhcEps make_eps(double rms_eps, double hc_eps, double norm_eps, int64_t sinkhorn_iters, double post_alpha) {
-  return MhcEps{(float)rms_eps, (float)hc_eps, (float)norm_eps, (int)sinkhorn_iters, (float)post_alpha};
+// sinkhorn_eps: the schemas' optional trailing argument, None = hc_eps.
+inline MhcEps make_eps(double rms_eps, double hc_eps, double norm_eps, int64_t sinkhorn_iters, double post_alpha,
+                       c10::optional<double> sinkhorn_eps) {
+  return MhcEps{(float)rms_eps,      (float)hc_eps,     (float)norm_eps,
+                (int)sinkhorn_iters, (float)post_alpha, (float)sinkhorn_eps.value_or(hc_eps)};
 }
 
 }  // namespace spk

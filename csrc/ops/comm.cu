@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -63,8 +62,8 @@ void check_barrier(const CommState& c) {
   char timeout[32];
   std::snprintf(timeout, sizeof(timeout), "%g", c.barrier_timeout_s);  // C stdio: no iostream facets
   SPK_CHECK(false, "spkernels: rank ", c.rank, "'s LSA barrier (", barrier_site_name(e->site), ", CTA ", e->cta,
-            ") timed out after ", timeout, " s (SPK_BARRIER_TIMEOUT) waiting for rank ", e->peer,
-            ": a peer died or stopped calling the same ops. Communicator ", c.handle,
+            ") timed out after ", timeout, " s (barrier_timeout, default SPK_BARRIER_TIMEOUT) waiting for rank ",
+            e->peer, ": a peer died or stopped calling the same ops. Communicator ", c.handle,
             " is unusable: close() aborts it; recreate the process group (exiting the process is the sure "
             "way out with a peer gone)");
 }
@@ -78,7 +77,8 @@ std::vector<int64_t> nccl_unique_id() {
 }
 
 int64_t comm_create(int64_t handle, std::vector<int64_t> unique_id, int64_t rank, int64_t world_size, int64_t device,
-                    int64_t max_tokens, int64_t hidden_size, int64_t hc, bool fused, double barrier_timeout_s) {
+                    int64_t max_tokens, int64_t hidden_size, int64_t hc, bool fused, bool tp_push,
+                    double barrier_timeout_s) {
   ncclUniqueId id;
   SPK_CHECK(unique_id.size() == sizeof(id), "unique_id must have ", sizeof(id), " bytes, got ", unique_id.size());
   SPK_CHECK(hc == kHC, "hc must be 4 for a CUDA Communicator (the kernels specialise hc = 4), got ", hc);
@@ -111,9 +111,7 @@ int64_t comm_create(int64_t handle, std::vector<int64_t> unique_id, int64_t rank
   // CTA cap is the minimum over ranks.
   s->max_ctas = rank_min(*s, local_max_ctas((int)hidden_size), st);
   // The pushed mhc_post_ar only if every rank has it (the ranks must run the same protocol).
-  const char* push_env = std::getenv("SPK_TP_PUSH");
-  const bool push = push_env == nullptr || push_env[0] == '\0' || std::strcmp(push_env, "0") != 0;
-  s->push_rows = rank_min(*s, push ? (int)std::min<int64_t>(max_tokens, kPushMaxTokens) : 0, st);
+  s->push_rows = rank_min(*s, tp_push ? (int)std::min<int64_t>(max_tokens, kPushMaxTokens) : 0, st);
 
   s->buffer_bytes = s->push_offset() + s->push_bytes();
   SPK_NCCL_CHECK(ncclMemAlloc(&s->buffer, s->buffer_bytes), s->comm);

@@ -12,7 +12,7 @@
 namespace spk {
 
 // mhc_post_ar pushes its partial rows up to this T (decode; above, the entry barrier and pulls).
-// SPK_TP_PUSH=0 at Communicator creation turns it off.
+// Communicator(tp_push=False) on any rank turns it off.
 constexpr int kPushMaxTokens = 128;
 
 struct CommState {
@@ -27,7 +27,7 @@ struct CommState {
   ncclWindow_t window = nullptr;
   ncclDevComm dev_comm = {};
   bool has_dev_comm = false;
-  double barrier_timeout_s = 0;  // SPK_BARRIER_TIMEOUT; 0: the barriers wait forever
+  double barrier_timeout_s = 0;  // Communicator(barrier_timeout); 0: the barriers wait forever
   BarrierArgs barrier = {};      // epochs, `failed`, push_calls and push_ticket: one device allocation
   int push_rows = 0;             // the pushed mhc_post_ar up to this T (0: off; PushArgs)
   uint32_t *push_calls = nullptr, *push_ticket = nullptr;

@@ -107,12 +107,13 @@ Tensor mhc_post_rs_cuda(const Tensor& partial, const Tensor& stream, const Tenso
 
 PreOut mhc_pre_ag_cuda(const Tensor& stream, const Tensor& fn, const Tensor& scale, const Tensor& base,
                        const OptTensor& norm_weight, const OptTensor& pre_mix_in, double rms_eps, double hc_eps,
-                       double norm_eps, int64_t sinkhorn_iters, double post_alpha, int64_t comm) {
+                       double norm_eps, int64_t sinkhorn_iters, double post_alpha, int64_t comm,
+                       c10::optional<double> sinkhorn_eps) {
   check_stream(stream);
   CommState& c = comm_for_stream(comm, stream, true);
   check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, sinkhorn_iters);
   const c10::cuda::CUDAGuard guard(stream.device());
-  const MhcEps eps = make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha);
+  const MhcEps eps = make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha, sinkhorn_eps);
   TileArgs a = base_tile_args(stream);
   PreOut out = set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in, eps, stream.size(0) * c.world);
   if (!c.lsa) {
@@ -130,7 +131,7 @@ PostPreOut mhc_post_pre_rs_ag_cuda(const Tensor& partial, const Tensor& stream, 
                                    const Tensor& res_mix, const Tensor& fn, const Tensor& scale, const Tensor& base,
                                    const OptTensor& norm_weight, const OptTensor& pre_mix_in, double rms_eps,
                                    double hc_eps, double norm_eps, int64_t sinkhorn_iters, double post_alpha,
-                                   int64_t comm) {
+                                   int64_t comm, c10::optional<double> sinkhorn_eps) {
   check_stream(stream);
   CommState& c = comm_for_stream(comm, stream, true);
   check_sp_partial(c, partial, stream);
@@ -140,14 +141,14 @@ PostPreOut mhc_post_pre_rs_ag_cuda(const Tensor& partial, const Tensor& stream, 
   if (!c.lsa) {
     Tensor new_stream = mhc_post_cuda(nccl_reduce(c, partial, stream.size(0), true), stream, post_mix, res_mix);
     auto [li, post, res, pre] = mhc_pre_ag_cuda(new_stream, fn, scale, base, norm_weight, pre_mix_in, rms_eps, hc_eps,
-                                                norm_eps, sinkhorn_iters, post_alpha, comm);
+                                                norm_eps, sinkhorn_iters, post_alpha, comm, sinkhorn_eps);
     return {new_stream, li, post, res, pre};
   }
   Tensor new_stream = at::empty_like(stream);
   TileArgs a = lsa_post_args(c, partial, stream, post_mix, res_mix, new_stream, c.rank * (int)stream.size(0));
-  auto [li, post, res, pre] =
-      set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in,
-                   make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha), stream.size(0) * c.world);
+  auto [li, post, res, pre] = set_pre_args(
+      a, stream, fn, scale, base, norm_weight, pre_mix_in,
+      make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha, sinkhorn_eps), stream.size(0) * c.world);
   run_mhc<YSrc::kPeers, true, true, false, true>(a, c.max_ctas);
   return {new_stream, li, post, res, pre};
 }
@@ -208,8 +209,8 @@ Tensor mhc_post_ar_cuda(const Tensor& partial, const Tensor& stream, const Tenso
 PostPreOut mhc_post_pre_ar_cuda(const Tensor& partial, const Tensor& stream, const Tensor& post_mix,
                                 const Tensor& res_mix, const Tensor& fn, const Tensor& scale, const Tensor& base,
                                 const OptTensor& norm_weight, const OptTensor& pre_mix_in, double rms_eps,
-                                double hc_eps, double norm_eps, int64_t sinkhorn_iters, double post_alpha,
-                                int64_t comm) {
+                                double hc_eps, double norm_eps, int64_t sinkhorn_iters, double post_alpha, int64_t comm,
+                                c10::optional<double> sinkhorn_eps) {
   check_stream(stream);
   CommState& c = comm_for_stream(comm, stream, false);
   check_tensor("partial", partial, at::kBFloat16, {stream.size(0), stream.size(2)}, stream.device(), true);
@@ -218,12 +219,13 @@ PostPreOut mhc_post_pre_ar_cuda(const Tensor& partial, const Tensor& stream, con
   const c10::cuda::CUDAGuard guard(stream.device());
   if (!c.lsa)
     return mhc_post_pre_cuda(nccl_reduce(c, partial, stream.size(0), false), stream, post_mix, res_mix, fn, scale, base,
-                             norm_weight, pre_mix_in, rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha);
+                             norm_weight, pre_mix_in, rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha,
+                             sinkhorn_eps);
   Tensor new_stream = at::empty_like(stream);
   TileArgs a = lsa_post_args(c, partial, stream, post_mix, res_mix, new_stream, 0);
   auto [li, post, res, pre] =
       set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in,
-                   make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha), stream.size(0));
+                   make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha, sinkhorn_eps), stream.size(0));
   run_mhc<YSrc::kPeers, true, true, false, false>(a, c.max_ctas);
   return {new_stream, li, post, res, pre};
 }

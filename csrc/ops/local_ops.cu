@@ -7,13 +7,14 @@ namespace spk {
 
 PreOut mhc_pre_cuda(const Tensor& stream, const Tensor& fn, const Tensor& scale, const Tensor& base,
                     const OptTensor& norm_weight, const OptTensor& pre_mix_in, double rms_eps, double hc_eps,
-                    double norm_eps, int64_t sinkhorn_iters, double post_alpha) {
+                    double norm_eps, int64_t sinkhorn_iters, double post_alpha, c10::optional<double> sinkhorn_eps) {
   check_stream(stream);
   check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, sinkhorn_iters);
   const c10::cuda::CUDAGuard guard(stream.device());
   TileArgs a = base_tile_args(stream);
-  PreOut out = set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in,
-                            make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha), stream.size(0));
+  PreOut out =
+      set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in,
+                   make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha, sinkhorn_eps), stream.size(0));
   run_mhc<YSrc::kNone, false, true, false, false>(a, 0);
   return out;
 }
@@ -34,7 +35,7 @@ Tensor mhc_post_cuda(const Tensor& y, const Tensor& stream, const Tensor& post_m
 PostPreOut mhc_post_pre_cuda(const Tensor& y, const Tensor& stream, const Tensor& post_mix, const Tensor& res_mix,
                              const Tensor& fn, const Tensor& scale, const Tensor& base, const OptTensor& norm_weight,
                              const OptTensor& pre_mix_in, double rms_eps, double hc_eps, double norm_eps,
-                             int64_t sinkhorn_iters, double post_alpha) {
+                             int64_t sinkhorn_iters, double post_alpha, c10::optional<double> sinkhorn_eps) {
   check_stream(stream);
   check_tensor("y", y, at::kBFloat16, {stream.size(0), stream.size(2)}, stream.device(), true);
   check_post_args(stream, post_mix, res_mix);
@@ -46,7 +47,7 @@ PostPreOut mhc_post_pre_cuda(const Tensor& y, const Tensor& stream, const Tensor
   set_post_args(a, post_mix, res_mix, new_stream);
   auto [layer_input, post, res, pre] =
       set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in,
-                   make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha), stream.size(0));
+                   make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha, sinkhorn_eps), stream.size(0));
   run_mhc<YSrc::kLocal, true, true, false, false>(a, 0);
   return {new_stream, layer_input, post, res, pre};
 }
@@ -64,7 +65,7 @@ Tensor mhc_head_cuda(const Tensor& stream, const Tensor& fn, const Tensor& scale
   a.fn = cptr<float>(fn);
   a.scale = cptr<float>(scale);
   a.base = cptr<float>(base);
-  a.eps = make_eps(rms_eps, hc_eps, 0.0, 1, 0.0);
+  a.eps = make_eps(rms_eps, hc_eps, 0.0, 1, 0.0, c10::nullopt);
   a.layer_input = ptr<__nv_bfloat16>(out);
   run_mhc<YSrc::kNone, false, true, true, false>(a, 0);
   return out;

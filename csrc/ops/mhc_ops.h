@@ -80,11 +80,11 @@ inline void run_mhc(TileArgs a, int max_ctas) {
 // Local ops, also the compute half of the `nccl` backend.
 PreOut mhc_pre_cuda(const Tensor& stream, const Tensor& fn, const Tensor& scale, const Tensor& base,
                     const OptTensor& norm_weight, const OptTensor& pre_mix_in, double rms_eps, double hc_eps,
-                    double norm_eps, int64_t sinkhorn_iters, double post_alpha);
+                    double norm_eps, int64_t sinkhorn_iters, double post_alpha, c10::optional<double> sinkhorn_eps);
 Tensor mhc_post_cuda(const Tensor& y, const Tensor& stream, const Tensor& post_mix, const Tensor& res_mix);
 PostPreOut mhc_post_pre_cuda(const Tensor& y, const Tensor& stream, const Tensor& post_mix, const Tensor& res_mix,
                              const Tensor& fn, const Tensor& scale, const Tensor& base, const OptTensor& norm_weight,
                              const OptTensor& pre_mix_in, double rms_eps, double hc_eps, double norm_eps,
-                             int64_t sinkhorn_iters, double post_alpha);
+                             int64_t sinkhorn_iters, double post_alpha, c10::optional<double> sinkhorn_eps);
 
 }  // namespace spk

@@ -1,7 +1,7 @@
 """spkernels.Communicator: the opaque ``comm`` handle that every collective op takes (SPEC.md §6).
 
 Backends: ``lsa`` (fused kernels over NCCL symmetric memory, every peer NVLink/P2P reachable),
-``nccl`` (NCCL host collectives + local kernels: multi-node, no P2P, or SPK_FUSED=0), ``gloo``
+``nccl`` (NCCL host collectives + local kernels: multi-node, no P2P, or ``fused=False``), ``gloo``
 (CPU tensors, reference math). The handle indexes a process-wide registry; ops look it up, so a
 closed or unknown handle is an error naming it instead of a crash.
 """
@@ -23,20 +23,38 @@ _BACKENDS = {0: "lsa", 1: "nccl"}
 DEFAULT_BARRIER_TIMEOUT_S = 120.0
 
 
-def barrier_timeout_s() -> float:
-    """Seconds a fused kernel waits at a barrier for a peer: SPK_BARRIER_TIMEOUT, 0 = forever."""
-    raw = os.environ.get("SPK_BARRIER_TIMEOUT", "").strip()
-    if not raw:
-        return DEFAULT_BARRIER_TIMEOUT_S
+def _env_flag(name: str) -> bool:
+    """An on/off SPK_* variable: on unless set to "0"."""
+    return os.environ.get(name, "1").strip() != "0"
+
+
+def _check_timeout(value, what: str) -> float:
+    """Seconds in [0, 1e9]: a number as an argument, its text in the environment."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
     try:
-        value = float(raw)
+        seconds = float(value) if number or isinstance(value, str) else math.nan
     except ValueError:
-        value = math.nan
-    if not 0 <= value <= 1e9:  # also refuses nan and inf
-        raise ValueError(
-            f"SPK_BARRIER_TIMEOUT must be a number of seconds in [0, 1e9] (0: wait forever), got {raw!r}"
-        )
-    return value
+        seconds = math.nan
+    if not (number or what.startswith("SPK_")) or not 0 <= seconds <= 1e9:  # also refuses nan and inf
+        raise ValueError(f"{what} must be a number of seconds in [0, 1e9] (0: wait forever), got {value!r}")
+    return seconds
+
+
+# Communicator setting -> the environment variable that gives its default.
+ENV_VARS = {"fused": "SPK_FUSED", "tp_push": "SPK_TP_PUSH", "barrier_timeout": "SPK_BARRIER_TIMEOUT"}
+
+
+def env_default(setting: str):
+    """The default of a Communicator setting whose argument is None: the one place that reads SPK_*.
+
+    ``fused``: SPK_FUSED (on unless "0"; off = the nccl backend even where the fused one would run);
+    ``tp_push``: SPK_TP_PUSH (on unless "0"; off = mhc_post_ar never pushes); ``barrier_timeout``:
+    SPK_BARRIER_TIMEOUT (seconds, default 120; 0 = wait forever)."""
+    name = ENV_VARS[setting]
+    if setting != "barrier_timeout":
+        return _env_flag(name)
+    raw = os.environ.get(name, "").strip()
+    return DEFAULT_BARRIER_TIMEOUT_S if not raw else _check_timeout(raw, name)
 
 
 def lookup(handle: int) -> Communicator:
@@ -52,8 +70,12 @@ class Communicator:
     Construct it on every rank of ``group`` at the same point (it is collective), then pass
     ``comm.handle`` to the ops. ``device`` defaults to CUDA for NCCL groups and CPU for gloo.
 
-    No infinite hang: a fused kernel waits at most ``SPK_BARRIER_TIMEOUT`` seconds (read here;
-    default 120, 0 = forever) for a peer at each of its barriers. A peer that died or stopped
+    Settings (each None takes its default from the environment, see :func:`env_default`):
+    ``fused`` (False: the nccl backend even where the fused lsa kernels would run), ``tp_push``
+    (False: ``mhc_post_ar`` never pushes, below), ``barrier_timeout`` (seconds, 0 = forever).
+
+    No infinite hang: a fused kernel waits at most ``barrier_timeout`` seconds for a peer at each of
+    its barriers. A peer that died or stopped
     calling the same ops makes the waiting kernel give up (its outputs are garbage) and marks the
     communicator failed: every later op on it, and ``check()``, raises a RuntimeError naming the
     barrier and the missing rank. The communicator is then unusable: ``close()`` aborts its NCCL
@@ -61,8 +83,9 @@ class Communicator:
     process group.
 
     At T <= 128 ``mhc_post_ar`` meets no barrier: each rank pushes its partial rows into the peers'
-    buffers and waits (with the same timeout) for theirs. ``SPK_TP_PUSH=0`` at creation (read by
-    the C++ side; the ranks take the minimum) keeps it pulling after an entry barrier at every T.
+    buffers and waits (with the same timeout) for theirs. ``tp_push=False`` on any rank (the ranks
+    agree on the minimum) keeps it pulling after an entry barrier at every T. ``fused`` and
+    ``tp_push`` only matter for CUDA communicators.
     """
 
     def __init__(
@@ -73,6 +96,9 @@ class Communicator:
         hidden_size: int,
         hc: int = 4,
         device: torch.device | str | None = None,
+        fused: bool | None = None,
+        tp_push: bool | None = None,
+        barrier_timeout: float | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("spkernels.Communicator needs torch.distributed to be initialised first")
@@ -83,7 +109,16 @@ class Communicator:
         self.rank = dist.get_rank(self.group)
         self.tp_size = dist.get_world_size(self.group)
         self.max_tokens, self.hidden_size, self.hc = max_tokens, hidden_size, hc
-        self.barrier_timeout_s = barrier_timeout_s()
+        for name, v in (("fused", fused), ("tp_push", tp_push)):
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"{name} must be a bool or None, got {v!r}")
+        self.fused = env_default("fused") if fused is None else fused
+        self.tp_push = env_default("tp_push") if tp_push is None else tp_push
+        self.barrier_timeout_s = (
+            env_default("barrier_timeout")
+            if barrier_timeout is None
+            else _check_timeout(barrier_timeout, "barrier_timeout")
+        )
         group_backend = str(dist.get_backend(self.group))
         if device is None:
             device = "cuda" if "nccl" in group_backend else "cpu"
@@ -115,10 +150,9 @@ class Communicator:
         uid = [ops._nccl_unique_id() if self.rank == 0 else None]
         # The unique id travels over the torch group, so the NCCL comm spans exactly its ranks.
         dist.broadcast_object_list(uid, src=dist.get_global_rank(self.group, 0), group=self.group)
-        fused = os.environ.get("SPK_FUSED", "1") != "0"
         code = ops._comm_create(
             self.handle, uid[0], self.rank, self.tp_size, self.device.index,
-            self.max_tokens, self.hidden_size, self.hc, fused, self.barrier_timeout_s,
+            self.max_tokens, self.hidden_size, self.hc, self.fused, self.tp_push, self.barrier_timeout_s,
         )  # fmt: skip
         return _BACKENDS[int(code)]
 

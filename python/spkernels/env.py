@@ -12,6 +12,7 @@ import torch
 
 from . import _library
 from ._library import BUILD_INFO
+from .comm import env_default
 from .version import __version__
 
 # The fused (lsa) path needs the NCCL device API: symmetric-memory windows and LSA pointers.
@@ -39,7 +40,8 @@ def _all_peers_reachable(count: int) -> bool:
 
 def backends() -> list[str]:
     """gloo always (CPU tensors); nccl with CUDA kernels and a GPU; lsa when, in addition, the NCCL
-    that torch loads has the device API, every GPU reaches every other by P2P, and SPK_FUSED != 0.
+    that torch loads has the device API, every GPU reaches every other by P2P, and SPK_FUSED != 0
+    (the default of Communicator(fused=None)).
     (A Communicator still decides per group; this is what the machine allows.)"""
     found = ["gloo"]
     count = len(gpus())
@@ -47,7 +49,7 @@ def backends() -> list[str]:
         return found
     found.append("nccl")
     nccl = _library.runtime_nccl_version()
-    fused = os.environ.get("SPK_FUSED", "1") != "0"
+    fused = env_default("fused")
     if nccl is not None and nccl[:2] >= LSA_MIN_NCCL and fused and _all_peers_reachable(count):
         found.append("lsa")
     return found

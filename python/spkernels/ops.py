@@ -1,8 +1,17 @@
 """Fake (meta) and CPU implementations of ``torch.ops.spkernels.*`` (schemas: csrc/torch_bindings.cpp).
 
 CPU kernels are the reference math of reference.py with gloo collectives behind the
-communicator, so CI without a GPU exercises the whole op contract. Reductions follow SPEC.md §2:
-fp32 sum in rank order 0..tp-1, rounded to bf16, then the post — identical on every rank.
+communicator, so CI without a GPU exercises the whole op contract.
+
+Who validates what: each op validates its own arguments in the language of its kernel — the CPU
+kernels here, the CUDA launchers in csrc/ops/checks.h (which add the CUDA-only limits: hc = 4, D a
+multiple of 8 up to 8192, 16-byte alignment) — with the same messages, so a bad tensor raises the
+same way whether it reaches the op through spkernels.api (which validates nothing but the
+Communicator's type) or through torch.ops directly. Communicator checks (closed, capacity, hidden
+size) sit where the communicator's state lives: comm.py's registry for gloo, CommState for CUDA.
+
+Reductions follow SPEC.md §2: fp32 sum in rank order 0..tp-1, rounded to bf16, then the post —
+identical on every rank.
 """
 
 from __future__ import annotations
@@ -54,8 +63,8 @@ def _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, sinkhorn_i
         _check_tensor("norm_weight", norm_weight, bf16, (D,), dev)
     if pre_mix_in is not None:
         _check_tensor("pre_mix_in", pre_mix_in, f32, (T, hc), dev)
-    if sinkhorn_iters < 1:
-        raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
+    if not 1 <= sinkhorn_iters <= 1000:  # the CUDA launchers' range too (csrc/ops/checks.h)
+        raise ValueError(f"sinkhorn_iters must be in [1, 1000], got {sinkhorn_iters}")
 
 
 def _check_post_args(stream, post_mix, res_mix) -> None:
@@ -133,41 +142,34 @@ def _pre_out_like(stream):
     )
 
 
+# The dispatcher leaves out trailing arguments that equal their schema defaults when it calls a
+# Python kernel, so the kernels restate the defaults: reference.py's, which the schemas state too
+# (tests/test_api_cpu.py checks they agree). ``eps`` = (rms_eps, hc_eps, norm_eps, sinkhorn_iters,
+# post_alpha) in schema order; ``sinkhorn_eps`` None means hc_eps.
+EPS_DEFAULTS = (ref.RMS_EPS, ref.HC_EPS, ref.NORM_EPS, ref.SINKHORN_ITERS, ref.POST_ALPHA)
+
+
+def _split_eps(eps_sk: tuple, comm: bool = False) -> tuple:
+    """(eps, comm, sinkhorn_eps) from the trailing scalars as the dispatcher passes them: the comm
+    ops' five eps and comm always, sinkhorn_eps only when not None; the local ops' as far as the
+    last argument that differs from its default."""
+    if comm:
+        return tuple(eps_sk[:5]), eps_sk[5], eps_sk[6] if len(eps_sk) > 6 else None
+    full = tuple(eps_sk) + (EPS_DEFAULTS + (None,))[len(eps_sk) :]
+    return full[:5], None, full[5]
+
+
 @torch.library.register_fake(f"{_lib}::mhc_pre")
-def _(
-    stream,
-    fn,
-    scale,
-    base,
-    norm_weight=None,
-    pre_mix_in=None,
-    rms_eps=1e-6,
-    hc_eps=1e-6,
-    norm_eps=1e-6,
-    sinkhorn_iters=20,
-    post_alpha=2.0,
-):
+def _(stream, fn, scale, base, norm_weight=None, pre_mix_in=None, *eps_sk):
     return _pre_out_like(stream)
 
 
 @torch.library.register_kernel(f"{_lib}::mhc_pre", "cpu")
-def _(
-    stream,
-    fn,
-    scale,
-    base,
-    norm_weight=None,
-    pre_mix_in=None,
-    rms_eps=1e-6,
-    hc_eps=1e-6,
-    norm_eps=1e-6,
-    sinkhorn_iters=20,
-    post_alpha=2.0,
-):
+def _(stream, fn, scale, base, norm_weight=None, pre_mix_in=None, *eps_sk):
+    eps, _, sinkhorn_eps = _split_eps(eps_sk)
     _check_stream(stream)
-    _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, sinkhorn_iters)
-    eps = (rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha)
-    return ref.mhc_pre(stream, fn, scale, base, norm_weight, pre_mix_in, *eps)
+    _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, eps[3])
+    return ref.mhc_pre(stream, fn, scale, base, norm_weight, pre_mix_in, *eps, sinkhorn_eps=sinkhorn_eps)
 
 
 @torch.library.register_fake(f"{_lib}::mhc_post")
@@ -189,42 +191,28 @@ def _(y, stream, post_mix, res_mix):
 
 
 @torch.library.register_fake(f"{_lib}::mhc_post_pre")
-def _(y, stream, post_mix, res_mix, fn, scale, base, norm_weight=None, pre_mix_in=None, *eps):
+def _(y, stream, post_mix, res_mix, fn, scale, base, norm_weight=None, pre_mix_in=None, *eps_sk):
     return (torch.empty_like(stream), *_pre_out_like(stream))
 
 
 @torch.library.register_kernel(f"{_lib}::mhc_post_pre", "cpu")
-def _(
-    y,
-    stream,
-    post_mix,
-    res_mix,
-    fn,
-    scale,
-    base,
-    norm_weight=None,
-    pre_mix_in=None,
-    rms_eps=1e-6,
-    hc_eps=1e-6,
-    norm_eps=1e-6,
-    sinkhorn_iters=20,
-    post_alpha=2.0,
-):
-    eps = (rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha)
+def _(y, stream, post_mix, res_mix, fn, scale, base, norm_weight=None, pre_mix_in=None, *eps_sk):
+    eps, _, sinkhorn_eps = _split_eps(eps_sk)
     _check_stream(stream)
     _check_y(y, stream)
     _check_post_args(stream, post_mix, res_mix)
     _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, eps[3])
-    return ref.mhc_post_pre(y, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_in, *eps)
+    site = (fn, scale, base, norm_weight, pre_mix_in, *eps)
+    return ref.mhc_post_pre(y, stream, post_mix, res_mix, *site, sinkhorn_eps=sinkhorn_eps)
 
 
 @torch.library.register_fake(f"{_lib}::mhc_head")
-def _(stream, fn, scale, base, rms_eps=1e-6, hc_eps=1e-6):
+def _(stream, fn, scale, base, rms_eps=ref.RMS_EPS, hc_eps=ref.HC_EPS):
     return stream.new_empty((stream.shape[0], stream.shape[2]))
 
 
 @torch.library.register_kernel(f"{_lib}::mhc_head", "cpu")
-def _(stream, fn, scale, base, rms_eps=1e-6, hc_eps=1e-6):
+def _(stream, fn, scale, base, rms_eps=ref.RMS_EPS, hc_eps=ref.HC_EPS):
     T, hc, D = _check_stream(stream)
     _check_tensor("fn", fn, f32, (hc, hc * D), stream.device)
     _check_tensor("scale", scale, f32, (1,), stream.device)
@@ -254,40 +242,43 @@ def _ag_pre_out(stream, comm):
 
 
 @torch.library.register_fake(f"{_lib}::mhc_pre_ag")
-def _(stream, fn, scale, base, norm_weight, pre_mix_in, *eps_comm):
-    return _ag_pre_out(stream, eps_comm[-1])
+def _(stream, fn, scale, base, norm_weight, pre_mix_in, *eps_comm_sk):
+    return _ag_pre_out(stream, eps_comm_sk[5])
 
 
-def _pre_ag_cpu(stream, fn, scale, base, norm_weight, pre_mix_in, eps, c):
+def _pre_ag_cpu(stream, fn, scale, base, norm_weight, pre_mix_in, eps, sinkhorn_eps, c):
     _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, eps[3])
-    layer_input, post, res, pre = ref.mhc_pre(stream, fn, scale, base, norm_weight, pre_mix_in, *eps)
+    layer_input, post, res, pre = ref.mhc_pre(
+        stream, fn, scale, base, norm_weight, pre_mix_in, *eps, sinkhorn_eps=sinkhorn_eps
+    )
     return torch.cat(_all_gather_rows(layer_input, c)), post, res, pre
 
 
 @torch.library.register_kernel(f"{_lib}::mhc_pre_ag", "cpu")
-def _(stream, fn, scale, base, norm_weight, pre_mix_in, *eps_comm):
-    *eps, comm = eps_comm
-    T_local, _, _ = _check_stream(stream)
+def _(stream, fn, scale, base, norm_weight, pre_mix_in, *eps_comm_sk):
+    eps, comm, sinkhorn_eps = _split_eps(eps_comm_sk, comm=True)
+    _check_stream(stream)
     c = _comm_for_stream(comm, stream, sp=True)
-    return _pre_ag_cpu(stream, fn, scale, base, norm_weight, pre_mix_in, eps, c)
+    return _pre_ag_cpu(stream, fn, scale, base, norm_weight, pre_mix_in, eps, sinkhorn_eps, c)
 
 
 @torch.library.register_fake(f"{_lib}::mhc_post_pre_rs_ag")
-def _(partial, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_in, *eps_comm):
-    return (torch.empty_like(stream), *_ag_pre_out(stream, eps_comm[-1]))
+def _(partial, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_in, *eps_comm_sk):
+    return (torch.empty_like(stream), *_ag_pre_out(stream, eps_comm_sk[5]))
 
 
 @torch.library.register_kernel(f"{_lib}::mhc_post_pre_rs_ag", "cpu")
-def _(partial, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_in, *eps_comm):
-    *eps, comm = eps_comm
-    T_local, _, _ = _check_stream(stream)
+def _(partial, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_in, *eps_comm_sk):
+    eps, comm, sinkhorn_eps = _split_eps(eps_comm_sk, comm=True)
+    _check_stream(stream)
     c = _comm_for_stream(comm, stream, sp=True)
     T = _check_sp_partial(partial, stream, c)
     _check_post_args(stream, post_mix, res_mix)
     _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, eps[3])
     y = _reduce_rows(partial, c, _my_rows(c, T))
     new_stream = ref.mhc_post(y, stream, post_mix, res_mix)
-    return (new_stream, *_pre_ag_cpu(new_stream, fn, scale, base, norm_weight, pre_mix_in, eps, c))
+    pre = _pre_ag_cpu(new_stream, fn, scale, base, norm_weight, pre_mix_in, eps, sinkhorn_eps, c)
+    return (new_stream, *pre)
 
 
 @torch.library.register_fake(f"{_lib}::sp_all_gather")
@@ -364,17 +355,18 @@ def _(partial, stream, post_mix, res_mix, comm):
 
 
 @torch.library.register_fake(f"{_lib}::mhc_post_pre_ar")
-def _(partial, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_in, *eps_comm):
+def _(partial, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_in, *eps_comm_sk):
     return (torch.empty_like(stream), *_pre_out_like(stream))
 
 
 @torch.library.register_kernel(f"{_lib}::mhc_post_pre_ar", "cpu")
-def _(partial, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_in, *eps_comm):
-    *eps, comm = eps_comm
+def _(partial, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_in, *eps_comm_sk):
+    eps, comm, sinkhorn_eps = _split_eps(eps_comm_sk, comm=True)
     T, _, _ = _check_stream(stream)
     c = _comm_for_stream(comm, stream, sp=False)
     _check_tp_partial(partial, stream)
     _check_post_args(stream, post_mix, res_mix)
     _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, eps[3])
     y = _reduce_rows(partial, c, slice(0, T))
-    return ref.mhc_post_pre(y, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_in, *eps)
+    site = (fn, scale, base, norm_weight, pre_mix_in, *eps)
+    return ref.mhc_post_pre(y, stream, post_mix, res_mix, *site, sinkhorn_eps=sinkhorn_eps)

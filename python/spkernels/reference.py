@@ -29,8 +29,13 @@ def mhc_coefficients(
     sinkhorn_iters: int = SINKHORN_ITERS,
     post_alpha: float = POST_ALPHA,
     compute_dtype: torch.dtype = torch.float32,
+    sinkhorn_eps: float | None = None,
 ):
-    """stream [T, hc, D] -> (pre [T, hc], post [T, hc], res [T, hc, hc]); res[t, i, j] maps i -> j."""
+    """stream [T, hc, D] -> (pre [T, hc], post [T, hc], res [T, hc, hc]); res[t, i, j] maps i -> j.
+
+    ``hc_eps`` is added to the pre weights; ``sinkhorn_eps`` (None: ``hc_eps``) to the softmax and
+    to every row and column sum of the Sinkhorn (vLLM's ``hc_pre_eps`` and ``hc_sinkhorn_eps``)."""
+    sk_eps = hc_eps if sinkhorn_eps is None else sinkhorn_eps
     T, hc, D = stream.shape
     x = stream.reshape(T, hc * D).to(compute_dtype)
     r = torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + rms_eps)
@@ -40,11 +45,11 @@ def mhc_coefficients(
     pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
     post = post_alpha * torch.sigmoid(m[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
     logits = (m[:, 2 * hc :] * scale[2] + base[2 * hc :]).reshape(T, hc, hc)
-    c = torch.softmax(logits, dim=-1) + hc_eps
-    c = c / (c.sum(dim=-2, keepdim=True) + hc_eps)  # column normalisation
+    c = torch.softmax(logits, dim=-1) + sk_eps
+    c = c / (c.sum(dim=-2, keepdim=True) + sk_eps)  # column normalisation
     for _ in range(sinkhorn_iters - 1):
-        c = c / (c.sum(dim=-1, keepdim=True) + hc_eps)
-        c = c / (c.sum(dim=-2, keepdim=True) + hc_eps)
+        c = c / (c.sum(dim=-1, keepdim=True) + sk_eps)
+        c = c / (c.sum(dim=-2, keepdim=True) + sk_eps)
     return pre, post, c
 
 
@@ -73,10 +78,11 @@ def mhc_pre(
     sinkhorn_iters=SINKHORN_ITERS,
     post_alpha=POST_ALPHA,
     compute_dtype=torch.float32,
+    sinkhorn_eps=None,
 ):
     """-> (layer_input [T, D] bf16, post_mix [T, hc], res_mix [T, hc, hc], pre_mix [T, hc]) fp32."""
     pre, post, res = mhc_coefficients(
-        stream, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, post_alpha, compute_dtype
+        stream, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, post_alpha, compute_dtype, sinkhorn_eps
     )
     weights = pre if pre_mix_in is None else pre_mix_in
     y_b = collapse(stream, weights, compute_dtype)

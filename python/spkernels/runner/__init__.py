@@ -1,5 +1,5 @@
 """The minimal model runner (issue 6): a DeepSeek-V4-shaped mHC model driven end to end through
-``torch.ops.spkernels`` with TP, per-forward SP dispatch and full decode CUDA graphs."""
+spkernels' typed functions (spkernels.api) with TP, per-forward SP dispatch and full decode CUDA graphs."""
 
 from .config import PRESETS, ModelConfig, preset
 from .engine import Engine, Request, schedule

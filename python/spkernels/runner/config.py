@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .. import reference as ref
+from ..api import MhcParams
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class ModelConfig:
     lm_head_init: str = "permuted-embedding"  # or "random"; see weights.random_weights
     rms_eps: float = ref.RMS_EPS
     hc_eps: float = ref.HC_EPS
+    sinkhorn_eps: float | None = None  # None: hc_eps (DeepSeek's checkpoints have one hc_eps)
     norm_eps: float = ref.NORM_EPS
     sinkhorn_iters: int = ref.SINKHORN_ITERS
     post_alpha: float = ref.POST_ALPHA
@@ -49,6 +51,13 @@ class ModelConfig:
     def __post_init__(self):  # JSON metadata gives lists: keep tuples so configs compare equal
         for name in ("engram_layers", "engram_orders"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    def mixing_site(self, fn, scale, base, norm_weight=None) -> MhcParams:
+        """One mixing site's weights with this model's mixing scalars."""
+        return MhcParams(
+            fn, scale, base, norm_weight, self.rms_eps, self.hc_eps, self.sinkhorn_eps, self.norm_eps,
+            self.sinkhorn_iters, self.post_alpha,
+        )  # fmt: skip
 
     @property
     def eps(self) -> tuple:

@@ -2,8 +2,8 @@
 optionally one pipeline stage of it.
 
 embedding -> hc copies -> L x [pre -> attention -> post; pre -> FFN -> post] -> exit collapse -> RMSNorm
--> LM head. Every mixing site goes through ``torch.ops.spkernels``: the boundary between two
-sublayers is one op (``mhc_post_pre_rs_ag`` in SP mode, ``mhc_post_pre_ar`` in TP mode, the local
+-> LM head. Every mixing site goes through spkernels' typed functions (spkernels.api): the boundary
+between two sublayers is one op (``sp_boundary`` in SP mode, ``tp_boundary`` in TP mode, the local
 ``mhc_post_pre`` without a TP group), so the same code runs on CPU (gloo) and CUDA.
 
 V4 collapses each site with its own pre and exits through the learned ``mhc_head``. V4.1 (delayed
@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import api
+from ..api import Mixes
 from . import engram, moe, pipeline
 from .config import ModelConfig
 from .weights import shard
-
-ops = torch.ops.spkernels
 
 
 @dataclass
@@ -67,7 +67,7 @@ class Model:
 
         def site(prefix, head=False):
             names = ("fn", "scale", "base") if head else ("fn", "scale", "base", "norm_weight")
-            return tuple(w(f"{prefix}.{n}") for n in names)
+            return config.mixing_site(*(w(f"{prefix}.{n}") for n in names))
 
         self.pad_id = config.vocab_size  # an extra zero row: pad tokens embed to zero stream rows
         if self.first_stage:
@@ -183,25 +183,23 @@ class Model:
         return self.comm.partial_buffer(out.shape[0]).copy_(out)
 
     # ------------------------------------------------------------------ mixing boundaries
-    def _pre(self, stream, site, pre_mix_in, use_sp):
+    def _pre(self, stream, site, pre_mix_in, use_sp) -> api.PreResult:
         if use_sp:
-            return ops.mhc_pre_ag(stream, *site, pre_mix_in, *self.config.eps, self.comm.handle)
-        return ops.mhc_pre(stream, *site, pre_mix_in, *self.config.eps)
+            return api.sp_pre(stream, site, self.comm, pre_mix_in=pre_mix_in)
+        return api.mhc_pre(stream, site, pre_mix_in=pre_mix_in)
 
-    def _post_pre(self, partial, stream, post_mix, res_mix, site, pre_mix_in, use_sp):
-        args = (partial, stream, post_mix, res_mix, *site, pre_mix_in, *self.config.eps)
+    def _post_pre(self, partial, stream, mixes, site, pre_mix_in, use_sp) -> api.BoundaryResult:
         if self.comm is None:
-            return ops.mhc_post_pre(*args)
-        if use_sp:
-            return ops.mhc_post_pre_rs_ag(*args, self.comm.handle)
-        return ops.mhc_post_pre_ar(*args, self.comm.handle)
+            return api.mhc_post_pre(partial, stream, mixes, site, pre_mix_in=pre_mix_in)
+        boundary = api.sp_boundary if use_sp else api.tp_boundary
+        return boundary(partial, stream, mixes, site, self.comm, pre_mix_in=pre_mix_in)
 
-    def _post(self, partial, stream, post_mix, res_mix, use_sp):
+    def _post(self, partial, stream, mixes, use_sp) -> torch.Tensor:
         if self.comm is None:
-            return ops.mhc_post(partial, stream, post_mix, res_mix)
+            return api.mhc_post(partial, stream, mixes)
         if use_sp:
-            return ops.mhc_post_rs(partial, stream, post_mix, res_mix, self.comm.handle)
-        return ops.mhc_post_ar(partial, stream, post_mix, res_mix, self.comm.handle)
+            return api.sp_post(partial, stream, mixes, self.comm)
+        return api.tp_post(partial, stream, mixes, self.comm)
 
     # ------------------------------------------------------------------ forward
     def post_recv(self, num_tokens: int, padded: int, use_sp: bool) -> pipeline.Receive | None:
@@ -232,7 +230,7 @@ class Model:
             return received[0], received[1] if self.delayed else None
         hidden = self.embed[batch.input_ids]
         if use_sp:  # shard the [T, D] embedding rather than the 4x larger stream: same rows
-            hidden = ops.sp_shard(hidden, self.comm.handle)
+            hidden = api.sp_shard(hidden, self.comm)
         stream = hidden.unsqueeze(1).expand(-1, hc, -1).contiguous()
         pre_mix = None
         if self.delayed:  # the first site collapses with a one-hot on stream 0: exactly the embedding
@@ -261,10 +259,9 @@ class Model:
         if self.delayed:  # reference.collapse: bf16(sum_i w_i X_i) in fp32, w the last pre_mix
             hidden = (pre_mix.unsqueeze(-1) * stream.float()).sum(dim=1).to(torch.bfloat16)
         else:
-            eps = self.config.eps
-            hidden = ops.mhc_head(stream, *self.head_mix, eps[0], eps[1])
+            hidden = api.mhc_head(stream, self.head_mix)
         if use_sp:  # the collapse is per token: collapse the shard, then gather 1/hc of the stream's bytes
-            hidden = ops.sp_all_gather(hidden, batch.num_tokens, self.comm.handle)
+            hidden = api.sp_all_gather(hidden, batch.num_tokens, self.comm)
         if batch.sample_idx is not None:
             hidden = hidden[batch.sample_idx]
         return self.head(hidden) if head else hidden
@@ -292,30 +289,27 @@ class Model:
         self.peak_stream_bytes = max(self.peak_stream_bytes, stream.numel() * stream.element_size())
         hash_ids = batch.hash_ids
         if hash_ids is not None and use_sp:  # hashed on the full sequence; the add is per token
-            hash_ids = ops.sp_shard(hash_ids, self.comm.handle)
-        pending = None  # (partial, post_mix, res_mix) of the sublayer whose post is still to come
+            hash_ids = api.sp_shard(hash_ids, self.comm)
+        pending: tuple[torch.Tensor, Mixes] | None = None  # (partial, mixes) of the post still to come
         for i, layer in enumerate(self.layers):
             # Each site collapses with the previous site's pre in V4.1 (pre_mix_in) or its own in V4.
             if "engram" in layer:  # post, Engram, pre: Engram sits between them
                 if pending is not None:
-                    partial, post_mix, res_mix = pending
-                    stream = self._post(partial, stream, post_mix, res_mix, use_sp)
+                    stream = self._post(pending[0], stream, pending[1], use_sp)
                 stream = engram.engram_add(stream, hash_ids, *layer["engram"])
                 pending = None
             if pending is None:
-                layer_input, post_mix, res_mix, pre = self._pre(stream, layer["attn_mix"], pre_mix, use_sp)
+                layer_input, mixes = self._pre(stream, layer["attn_mix"], pre_mix, use_sp)
             else:
-                partial, post_mix, res_mix = pending
-                stream, layer_input, post_mix, res_mix, pre = self._post_pre(
-                    partial, stream, post_mix, res_mix, layer["attn_mix"], pre_mix, use_sp
+                stream, layer_input, mixes = self._post_pre(
+                    pending[0], stream, pending[1], layer["attn_mix"], pre_mix, use_sp
                 )
-            pre_mix = pre if self.delayed else None
+            pre_mix = mixes.pre_mix if self.delayed else None
             partial = self.attention(i, layer_input, batch)
-            stream, layer_input, post_mix, res_mix, pre = self._post_pre(
-                partial, stream, post_mix, res_mix, layer["ffn_mix"], pre_mix, use_sp
+            stream, layer_input, mixes = self._post_pre(
+                partial, stream, mixes, layer["ffn_mix"], pre_mix, use_sp
             )
-            pre_mix = pre if self.delayed else None
-            pending = (self.ffn(i, layer_input), post_mix, res_mix)
-        partial, post_mix, res_mix = pending
-        stream = self._post(partial, stream, post_mix, res_mix, use_sp)
+            pre_mix = mixes.pre_mix if self.delayed else None
+            pending = (self.ffn(i, layer_input), mixes)
+        stream = self._post(pending[0], stream, pending[1], use_sp)
         return self._exit(stream, pre_mix, batch, use_sp, head)

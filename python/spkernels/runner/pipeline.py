@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-ops = torch.ops.spkernels
+from .. import api
 
 
 def stage_layers(num_layers: int, pp_size: int, stage: int) -> range:
@@ -73,7 +73,7 @@ def make_stage(rank: int, tp_size: int, pp_size: int, num_layers: int, direct_sh
 def stage_exit(tensors: list[torch.Tensor], num_tokens: int, use_sp: bool, comm) -> list[torch.Tensor]:
     """Per-token tensors [T(_local), ...] -> the first ``num_tokens`` rows of the full tensors."""
     if use_sp:
-        return [ops.sp_all_gather(t.contiguous(), num_tokens, comm.handle) for t in tensors]
+        return [api.sp_all_gather(t.contiguous(), num_tokens, comm) for t in tensors]
     return [t[:num_tokens].contiguous() for t in tensors]
 
 
@@ -84,7 +84,7 @@ def stage_entry(tensors: list[torch.Tensor], padded: int, use_sp: bool, comm) ->
     for t in tensors:
         full = t.new_zeros((padded, *t.shape[1:]))
         full[: t.shape[0]] = t
-        out.append(ops.sp_shard(full, comm.handle) if use_sp else full)
+        out.append(api.sp_shard(full, comm) if use_sp else full)
     return out
 
 

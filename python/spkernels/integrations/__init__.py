@@ -1,0 +1,1 @@
+"""Entry points shaped like other engines' kernel interfaces (``spkernels.integrations.vllm``)."""

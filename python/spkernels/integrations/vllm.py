@@ -1,0 +1,269 @@
+"""spkernels behind vLLM's mHC kernel interface (DeepSeek-V4 / V4.1), without importing vLLM.
+
+The local functions take the arguments of vLLM's mHC ops in vLLM's order and return what they
+return, so a model file can swap them in call for call:
+
+=============================  ==================================================================
+``mhc_pre``                    ``(post_mix [T, hc, 1], comb_mix [T, hc, hc], layer_input [T, D])``
+``mhc_post``                   the new residual ``[T, hc, D]``
+``mhc_fused_post_pre``         ``(residual, post_mix, comb_mix, layer_input)`` of the next site
+``hc_head``                    ``[T, D]``
+``mhc_pre_delayed``            ``(post_mix, comb_mix, layer_input, pre_mix [T, hc])`` (V4.1)
+``mhc_fused_post_pre_delayed`` ``(residual, post_mix, comb_mix, layer_input, pre_mix)`` (V4.1)
+=============================  ==================================================================
+
+Names map as ``residual`` = spkernels' ``stream``, ``comb_mix`` / ``comb_res_mix`` = ``res_mix``,
+``hc_pre_eps`` = ``hc_eps``, ``hc_sinkhorn_eps`` = ``sinkhorn_eps``, ``hc_post_mult_value`` =
+``post_alpha``, ``sinkhorn_repeat`` = ``sinkhorn_iters``. ``n_splits`` and ``tile_n`` (vLLM's
+kernel tuning knobs) are accepted and ignored. Leading dims before ``[hc, D]`` are flattened into
+T and restored on the way out, as vLLM's ops do.
+
+The boundaries with communication (``tp_*``, ``sp_*``) keep the same conventions and add a
+keyword ``comm``: a :class:`~spkernels.Communicator` built on vLLM's TP group with
+:func:`communicator_for_group`. They replace vLLM's ``tensor_model_parallel_all_reduce`` inside
+``RowParallelLinear`` (TP), or its reduce-scatter before the post and all-gather after the pre
+(SP): the row-parallel layer runs with ``reduce_results=False``, writes its partial output
+(ideally into ``comm.partial_buffer(T)``), and the boundary reduces it, mixes, and (in SP)
+gathers the next layer input. In SP mode ``residual`` and the mixes are this rank's token shard
+(``sp_shard`` of the [T, hc, D] residual; T padded to a multiple of tp), ``layer_input`` all T rows.
+
+One known numerical difference from vLLM: for T <= 16, vLLM's fused post+pre computes the next
+pre's ``fn · x`` and sum of squares from the unrounded fp32 new residual; spkernels computes them
+from the bf16 residual it stores (differences ~1e-3 in the mixes). spkernels follows the stored
+stream on purpose: the next site's pre then sees exactly the residual that every later op sees,
+so results do not depend on whether a post and the following pre ran fused or as two ops, nor on
+T (vLLM's own unfused post and pre, and its fused path above T = 16, read the stored residual too).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import api
+from ..api import MhcParams, Mixes
+from ..comm import Communicator
+
+
+def _params(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat,
+            norm_weight, norm_eps) -> MhcParams:  # fmt: skip
+    return MhcParams(
+        fn, hc_scale, hc_base, norm_weight, rms_eps, hc_pre_eps, hc_sinkhorn_eps, norm_eps, sinkhorn_repeat,
+        hc_post_mult_value,
+    )  # fmt: skip
+
+
+def _flat(residual: torch.Tensor) -> torch.Tensor:
+    """[..., hc, D] -> [T, hc, D] (a view for the contiguous residuals the ops take)."""
+    return residual if residual.dim() == 3 else residual.reshape(-1, *residual.shape[-2:])
+
+
+def _mixes(post_layer_mix: torch.Tensor, comb_res_mix: torch.Tensor, hc: int, pre_mix=None) -> Mixes:
+    """vLLM's [..., hc, 1] post mix and [..., hc, hc] comb mix as spkernels' [T, hc], [T, hc, hc]."""
+    return Mixes(post_layer_mix.reshape(-1, hc), comb_res_mix.reshape(-1, hc, hc), pre_mix)
+
+
+def _out_pre(res: api.PreResult, outer, hc: int, delayed: bool):
+    post, comb, pre = res.mixes
+    out = (post.view(*outer, hc, 1), comb.view(*outer, hc, hc), res.layer_input.view(*outer, -1))
+    return (*out, pre.view(*outer, hc)) if delayed else out
+
+
+def _out_boundary(res: api.BoundaryResult, outer, hc: int, delayed: bool):
+    post, comb, pre = res.mixes
+    out = (res.stream.view(*outer, hc, -1), post.view(*outer, hc, 1), comb.view(*outer, hc, hc),
+           res.layer_input.view(*outer, -1))  # fmt: skip
+    return (*out, pre.view(*outer, hc)) if delayed else out
+
+
+def _one_hot(stream: torch.Tensor) -> torch.Tensor:
+    """vLLM's delayed pre without a carried pre_mix collapses to stream 0: a one-hot on stream 0
+    (bf16(1 * X[0] + 0 * ...) is X[0] exactly)."""
+    w = torch.zeros(stream.shape[0], stream.shape[1], dtype=torch.float32, device=stream.device)
+    w[:, 0] = 1.0
+    return w
+
+
+# ----------------------------------------------------------------------------- local (vLLM's ops)
+def mhc_pre(
+    residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
+    sinkhorn_repeat, n_splits=1, norm_weight=None, norm_eps=0.0,
+):  # fmt: skip
+    """vLLM ``mhc_pre``: -> (post_mix [..., hc, 1], comb_mix [..., hc, hc], layer_input [..., D])."""
+    hc, outer = residual.shape[-2], residual.shape[:-2]
+    p = _params(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
+                sinkhorn_repeat, norm_weight, norm_eps)  # fmt: skip
+    return _out_pre(api.mhc_pre(_flat(residual), p), outer, hc, False)
+
+
+def mhc_post(x, residual, post_layer_mix, comb_res_mix):
+    """vLLM ``mhc_post``: out[j] = post_layer_mix[j] * x + sum_i comb_res_mix[i, j] * residual[i]."""
+    hc = residual.shape[-2]
+    stream = _flat(residual)
+    new = api.mhc_post(x.reshape(stream.shape[0], -1), stream, _mixes(post_layer_mix, comb_res_mix, hc))
+    return new.view(residual.shape)
+
+
+def mhc_fused_post_pre(
+    x, residual, post_layer_mix, comb_res_mix, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
+    hc_post_mult_value, sinkhorn_repeat, n_splits=1, tile_n=1, norm_weight=None, norm_eps=0.0,
+):  # fmt: skip
+    """vLLM ``mhc_fused_post_pre``: the post, then the next site's pre on the stored residual.
+
+    -> (residual, post_mix [..., hc, 1], comb_mix [..., hc, hc], layer_input [..., D])."""
+    hc, outer = residual.shape[-2], residual.shape[:-2]
+    stream = _flat(residual)
+    p = _params(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
+                sinkhorn_repeat, norm_weight, norm_eps)  # fmt: skip
+    res = api.mhc_post_pre(
+        x.reshape(stream.shape[0], -1), stream, _mixes(post_layer_mix, comb_res_mix, hc), p
+    )
+    return _out_boundary(res, outer, hc, False)
+
+
+def hc_head(hidden_states, hc_fn, hc_scale, hc_base, rms_norm_eps, hc_eps):
+    """vLLM ``hc_head``: the V4 head's learned collapse, [..., hc, D] -> [..., D] bf16."""
+    outer = hidden_states.shape[:-2]
+    out = api.mhc_head(_flat(hidden_states), MhcParams(hc_fn, hc_scale, hc_base, None, rms_norm_eps, hc_eps))
+    return out.view(*outer, -1)
+
+
+def mhc_pre_delayed(
+    residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
+    sinkhorn_repeat, pre_mix=None, norm_weight=None, norm_eps=0.0,
+):  # fmt: skip
+    """V4.1's pre: collapse with the carried ``pre_mix`` [..., hc] of the previous site (None: stream
+    0, the model's first site), return this site's own pre weights for the next one.
+
+    -> (post_mix [..., hc, 1], comb_mix [..., hc, hc], layer_input [..., D], pre_mix [..., hc])."""
+    hc, outer = residual.shape[-2], residual.shape[:-2]
+    stream = _flat(residual)
+    weights = _one_hot(stream) if pre_mix is None else pre_mix.reshape(-1, hc)
+    p = _params(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
+                sinkhorn_repeat, norm_weight, norm_eps)  # fmt: skip
+    return _out_pre(api.mhc_pre(stream, p, pre_mix_in=weights), outer, hc, True)
+
+
+def mhc_fused_post_pre_delayed(
+    x, residual, post_layer_mix, comb_res_mix, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
+    hc_post_mult_value, sinkhorn_repeat, pre_mix, n_splits=1, tile_n=1, norm_weight=None, norm_eps=0.0,
+):  # fmt: skip
+    """V4.1's fused post+pre: the next site collapses with ``pre_mix`` (the previous site's).
+
+    -> (residual, post_mix, comb_mix, layer_input, pre_mix of this site)."""
+    hc, outer = residual.shape[-2], residual.shape[:-2]
+    stream = _flat(residual)
+    p = _params(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
+                sinkhorn_repeat, norm_weight, norm_eps)  # fmt: skip
+    mixes = _mixes(post_layer_mix, comb_res_mix, hc)
+    res = api.mhc_post_pre(
+        x.reshape(stream.shape[0], -1), stream, mixes, p, pre_mix_in=pre_mix.reshape(-1, hc)
+    )
+    return _out_boundary(res, outer, hc, True)
+
+
+# ----------------------------------------------------------------------------- TP / SP boundaries
+def communicator_for_group(
+    group, *, max_tokens: int, hidden_size: int, hc: int = 4, **settings
+) -> Communicator:
+    """A Communicator on vLLM's TP group: a ``torch.distributed`` ProcessGroup, or a group
+    coordinator that holds one as ``device_group`` (vLLM's ``get_tp_group()``). ``max_tokens``:
+    the engine's ``max_num_batched_tokens`` (after SP padding); ``settings``: Communicator's
+    ``fused`` / ``tp_push`` / ``barrier_timeout``. Collective: every rank of the group calls it."""
+    pg = getattr(group, "device_group", group)
+    if not isinstance(pg, dist.ProcessGroup):
+        raise TypeError(
+            "group must be a torch.distributed ProcessGroup or have one as .device_group, "
+            f"got {type(group).__name__}"
+        )
+    return Communicator(pg, max_tokens=max_tokens, hidden_size=hidden_size, hc=hc, **settings)
+
+
+def tp_mhc_post(x, residual, post_layer_mix, comb_res_mix, *, comm: Communicator):
+    """``mhc_post`` whose ``x`` is this rank's partial [T, D] of a row-parallel layer (not yet
+    all-reduced): the all-reduce and the post in one op."""
+    hc = residual.shape[-2]
+    stream = _flat(residual)
+    new = api.tp_post(x, stream, _mixes(post_layer_mix, comb_res_mix, hc), comm)
+    return new.view(residual.shape)
+
+
+def tp_mhc_fused_post_pre(
+    x, residual, post_layer_mix, comb_res_mix, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
+    hc_post_mult_value, sinkhorn_repeat, n_splits=1, tile_n=1, norm_weight=None, norm_eps=0.0, *,
+    comm: Communicator, pre_mix=None,
+):  # fmt: skip
+    """``mhc_fused_post_pre`` on a partial ``x``: all-reduce, post and the next pre in one op (the
+    residual replicated on every rank, bitwise identical). With ``pre_mix`` (V4.1) the next site
+    collapses with it and the result gains this site's pre_mix, as ``mhc_fused_post_pre_delayed``."""
+    hc, outer = residual.shape[-2], residual.shape[:-2]
+    stream = _flat(residual)
+    p = _params(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
+                sinkhorn_repeat, norm_weight, norm_eps)  # fmt: skip
+    mixes = _mixes(post_layer_mix, comb_res_mix, hc)
+    pre_in = None if pre_mix is None else pre_mix.reshape(-1, hc)
+    res = api.tp_boundary(x, stream, mixes, p, comm, pre_mix_in=pre_in)
+    return _out_boundary(res, outer, hc, pre_mix is not None)
+
+
+def sp_mhc_pre(
+    residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
+    sinkhorn_repeat, n_splits=1, norm_weight=None, norm_eps=0.0, *, comm: Communicator, pre_mix=None,
+):  # fmt: skip
+    """``mhc_pre`` on this rank's shard [T / tp, hc, D], then vLLM's all-gather of the layer input:
+    -> (post_mix, comb_mix of the shard, layer_input [T, D]); with ``pre_mix`` (V4.1) the collapse
+    uses it and this site's pre_mix is appended."""
+    hc = residual.shape[-2]
+    stream = _flat(residual)
+    p = _params(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
+                sinkhorn_repeat, norm_weight, norm_eps)  # fmt: skip
+    pre_in = None if pre_mix is None else pre_mix.reshape(-1, hc)
+    res = api.sp_pre(stream, p, comm, pre_mix_in=pre_in)
+    post, comb, pre = res.mixes
+    out = (post.unsqueeze(-1), comb, res.layer_input)
+    return (*out, pre) if pre_mix is not None else out
+
+
+def sp_mhc_post(x, residual, post_layer_mix, comb_res_mix, *, comm: Communicator):
+    """vLLM's reduce-scatter of a row-parallel partial ``x`` [T, D], then ``mhc_post`` on this
+    rank's residual shard [T / tp, hc, D], in one op."""
+    hc = residual.shape[-2]
+    return api.sp_post(x, _flat(residual), _mixes(post_layer_mix, comb_res_mix, hc), comm)
+
+
+def sp_mhc_fused_post_pre(
+    x, residual, post_layer_mix, comb_res_mix, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
+    hc_post_mult_value, sinkhorn_repeat, n_splits=1, tile_n=1, norm_weight=None, norm_eps=0.0, *,
+    comm: Communicator, pre_mix=None,
+):  # fmt: skip
+    """The whole SP boundary in one op: reduce-scatter of ``x`` [T, D], post on the residual shard,
+    the next pre, all-gather of its layer input. -> (residual shard, post_mix, comb_mix of the
+    shard, layer_input [T, D]) (+ this site's pre_mix with ``pre_mix``, V4.1)."""
+    hc = residual.shape[-2]
+    stream = _flat(residual)
+    p = _params(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
+                sinkhorn_repeat, norm_weight, norm_eps)  # fmt: skip
+    mixes = _mixes(post_layer_mix, comb_res_mix, hc)
+    pre_in = None if pre_mix is None else pre_mix.reshape(-1, hc)
+    res = api.sp_boundary(x, stream, mixes, p, comm, pre_mix_in=pre_in)
+    post, comb, pre = res.mixes
+    out = (res.stream, post.unsqueeze(-1), comb, res.layer_input)
+    return (*out, pre) if pre_mix is not None else out
+
+
+def sp_shard(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """This rank's token rows of ``x`` [T, ...] (zero-padded to a multiple of tp): the residual or
+    the embedding on entering SP."""
+    return api.sp_shard(x, comm)
+
+
+def sp_all_gather(x_local: torch.Tensor, num_tokens: int, comm: Communicator) -> torch.Tensor:
+    """Every rank's rows, trimmed to ``num_tokens``: the residual (or the head's output) on leaving SP."""
+    return api.sp_all_gather(x_local, num_tokens, comm)
+
+
+__all__ = [
+    "mhc_pre", "mhc_post", "mhc_fused_post_pre", "hc_head", "mhc_pre_delayed", "mhc_fused_post_pre_delayed",
+    "communicator_for_group", "tp_mhc_post", "tp_mhc_fused_post_pre", "sp_mhc_pre", "sp_mhc_post",
+    "sp_mhc_fused_post_pre", "sp_shard", "sp_all_gather",
+]  # fmt: skip

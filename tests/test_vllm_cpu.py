@@ -1,0 +1,260 @@
+"""spkernels.integrations.vllm on CPU: each function against a restatement of vLLM's mHC math
+written here from its public interface (independent of reference.py), in fp64, with vLLM's
+argument order and return shapes; the TP/SP boundaries against the local functions at tp = 1
+(tp = 2 is in test_distributed_cpu.py); the Communicator built from a group coordinator.
+"""
+
+from __future__ import annotations
+
+import pytest
+import spkernels
+import torch
+import torch.distributed as dist
+from spkernels.integrations import vllm
+
+f64, bf16 = torch.float64, torch.bfloat16
+RMS_EPS, PRE_EPS, SINK_EPS, POST_MULT, REPEAT, NORM_EPS = 1e-6, 2e-6, 3e-3, 2.0, 20, 1e-5
+
+
+# ----------------------------------------------------------------------------- vLLM's math, restated
+def vllm_mixes(residual, fn, hc_scale, hc_base, rms_eps, pre_eps, sink_eps, post_mult, repeat):
+    """The three mixes of one site: pre [T, hc], post [T, hc, 1], comb [T, hc, hc] (comb[i, j] carries
+    stream i into stream j). fp64 throughout."""
+    T, hc, D = residual.shape
+    x = residual.reshape(T, hc * D).to(f64)
+    inv_rms = 1.0 / torch.sqrt((x * x).sum(-1, keepdim=True) / (hc * D) + rms_eps)
+    mix = (x @ fn.to(f64).T) * inv_rms
+    s, b = hc_scale.to(f64), hc_base.to(f64)
+    pre = 1 / (1 + torch.exp(-(mix[:, :hc] * s[0] + b[:hc]))) + pre_eps
+    post = post_mult / (1 + torch.exp(-(mix[:, hc : 2 * hc] * s[1] + b[hc : 2 * hc])))
+    logits = (mix[:, 2 * hc :] * s[2] + b[2 * hc :]).view(T, hc, hc)
+    e = torch.exp(logits - logits.amax(-1, keepdim=True))
+    comb = e / e.sum(-1, keepdim=True) + sink_eps
+    comb = comb / (comb.sum(1, keepdim=True) + sink_eps)
+    for _ in range(repeat - 1):
+        comb = comb / (comb.sum(2, keepdim=True) + sink_eps)
+        comb = comb / (comb.sum(1, keepdim=True) + sink_eps)
+    return pre, post.unsqueeze(-1), comb
+
+
+def vllm_collapse(residual, weights, norm_weight=None, norm_eps=0.0):
+    y = (weights.to(f64).unsqueeze(-1) * residual.to(f64)).sum(1).to(bf16)
+    if norm_weight is None:
+        return y
+    y64 = y.to(f64)
+    return (y64 / torch.sqrt((y64 * y64).mean(-1, keepdim=True) + norm_eps) * norm_weight.to(f64)).to(bf16)
+
+
+def vllm_post(x, residual, post_layer_mix, comb_res_mix):
+    mixed = torch.einsum("tij,tid->tjd", comb_res_mix.to(f64), residual.to(f64))
+    return (mixed + post_layer_mix.to(f64) * x.to(f64).unsqueeze(1)).to(bf16)
+
+
+def vllm_head(residual, hc_fn, hc_scale, hc_base, rms_eps, hc_eps):
+    T, hc, D = residual.shape
+    x = residual.reshape(T, hc * D).to(f64)
+    mix = (x @ hc_fn.to(f64).T) / torch.sqrt((x * x).mean(-1, keepdim=True) + rms_eps)
+    gate = 1 / (1 + torch.exp(-(mix * hc_scale.to(f64)[0] + hc_base.to(f64)))) + hc_eps
+    return vllm_collapse(residual, gate)
+
+
+# ----------------------------------------------------------------------------- inputs
+def site(mhc, D, norm=True):
+    p = mhc.site(D, norm=norm)
+    return p["fn"], p["scale"], p["base"], p["norm_weight"]
+
+
+SCALARS = (RMS_EPS, PRE_EPS, SINK_EPS, POST_MULT, REPEAT)
+
+
+def check_mixes(mhc, post, comb, want_post, want_comb):
+    mhc.assert_mix_close(post, want_post, "post_mix")
+    mhc.assert_mix_close(comb, want_comb, "comb_mix")
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "nonorm"])
+def test_mhc_pre(mhc, norm):
+    T, D = 6, 64
+    residual = mhc.stream(T, D)
+    fn, scale, base, nw = site(mhc, D, norm)
+    post, comb, layer_input = vllm.mhc_pre(
+        residual, fn, scale, base, *SCALARS, norm_weight=nw, norm_eps=NORM_EPS
+    )
+    assert post.shape == (T, 4, 1) and comb.shape == (T, 4, 4) and layer_input.shape == (T, D)
+    pre, want_post, want_comb = vllm_mixes(residual, fn, scale, base, *SCALARS)
+    check_mixes(mhc, post, comb, want_post, want_comb)
+    want = vllm_collapse(residual, pre, nw, NORM_EPS)
+    mhc.assert_bf16_close(layer_input, want, "layer_input", ulps=2 if norm else 1)
+
+
+def test_mhc_pre_leading_dims(mhc):
+    """vLLM's ops take [..., hc, D]: two leading dims come back as two leading dims."""
+    D = 32
+    residual = mhc.stream(6, D).view(2, 3, 4, D)
+    fn, scale, base, _ = site(mhc, D)
+    post, comb, layer_input = vllm.mhc_pre(residual, fn, scale, base, *SCALARS)
+    assert post.shape == (2, 3, 4, 1) and comb.shape == (2, 3, 4, 4) and layer_input.shape == (2, 3, D)
+    flat = vllm.mhc_pre(residual.view(6, 4, D), fn, scale, base, *SCALARS)
+    assert torch.equal(layer_input.view(6, D), flat[2]) and torch.equal(comb.view(6, 4, 4), flat[1])
+
+
+def test_mhc_post(mhc):
+    T, D = 6, 64
+    residual, x = mhc.stream(T, D), mhc.y(T, D)
+    post, comb = mhc.mixes(T)
+    out = vllm.mhc_post(x, residual, post.unsqueeze(-1), comb)
+    assert out.shape == residual.shape
+    mhc.assert_bf16_close(out, vllm_post(x, residual, post.unsqueeze(-1), comb), "residual")
+
+
+def test_mhc_fused_post_pre(mhc):
+    T, D = 6, 64
+    residual, x = mhc.stream(T, D), mhc.y(T, D)
+    post_in, comb_in = mhc.mixes(T)
+    fn, scale, base, nw = site(mhc, D)
+    new, post, comb, layer_input = vllm.mhc_fused_post_pre(
+        x,
+        residual,
+        post_in.unsqueeze(-1),
+        comb_in,
+        fn,
+        scale,
+        base,
+        *SCALARS,
+        norm_weight=nw,
+        norm_eps=NORM_EPS,
+    )
+    mhc.assert_bf16_close(new, vllm_post(x, residual, post_in.unsqueeze(-1), comb_in), "residual")
+    # The next pre reads the stored bf16 residual (the module docstring says why): restate on `new`.
+    pre, want_post, want_comb = vllm_mixes(new, fn, scale, base, *SCALARS)
+    check_mixes(mhc, post, comb, want_post, want_comb)
+    mhc.assert_bf16_close(layer_input, vllm_collapse(new, pre, nw, NORM_EPS), "layer_input", ulps=2)
+
+
+def test_hc_head(mhc):
+    T, D = 6, 64
+    residual, h = mhc.stream(T, D), mhc.head(D)
+    out = vllm.hc_head(residual, h["fn"], h["scale"], h["base"], 1e-5, 1e-3)
+    mhc.assert_bf16_close(out, vllm_head(residual, h["fn"], h["scale"], h["base"], 1e-5, 1e-3), "out")
+
+
+@pytest.mark.parametrize("carried", [True, False], ids=["carried", "first-site"])
+def test_mhc_pre_delayed(mhc, carried):
+    T, D = 6, 64
+    residual = mhc.stream(T, D)
+    fn, scale, base, nw = site(mhc, D)
+    pre_mix = mhc.pre_mix_in(T) if carried else None
+    post, comb, layer_input, pre = vllm.mhc_pre_delayed(residual, fn, scale, base, *SCALARS, pre_mix=pre_mix)
+    want_pre, want_post, want_comb = vllm_mixes(residual, fn, scale, base, *SCALARS)
+    check_mixes(mhc, post, comb, want_post, want_comb)
+    mhc.assert_mix_close(pre, want_pre, "pre_mix")
+    if carried:
+        mhc.assert_bf16_close(layer_input, vllm_collapse(residual, pre_mix), "layer_input")
+    else:  # vLLM's first site: stream 0 itself
+        assert torch.equal(layer_input, residual[:, 0])
+
+
+def test_mhc_fused_post_pre_delayed(mhc):
+    T, D = 6, 64
+    residual, x = mhc.stream(T, D), mhc.y(T, D)
+    post_in, comb_in = mhc.mixes(T)
+    carried = mhc.pre_mix_in(T)
+    fn, scale, base, nw = site(mhc, D)
+    new, post, comb, layer_input, pre = vllm.mhc_fused_post_pre_delayed(
+        x, residual, post_in.unsqueeze(-1), comb_in, fn, scale, base, *SCALARS, carried,
+        norm_weight=nw, norm_eps=NORM_EPS,
+    )  # fmt: skip
+    mhc.assert_bf16_close(new, vllm_post(x, residual, post_in.unsqueeze(-1), comb_in), "residual")
+    want_pre, want_post, want_comb = vllm_mixes(new, fn, scale, base, *SCALARS)
+    check_mixes(mhc, post, comb, want_post, want_comb)
+    mhc.assert_mix_close(pre, want_pre, "pre_mix")
+    mhc.assert_bf16_close(layer_input, vllm_collapse(new, carried, nw, NORM_EPS), "layer_input", ulps=2)
+
+
+def test_sinkhorn_eps_and_pre_eps_go_where_vllm_puts_them(mhc):
+    """Swapping hc_pre_eps and hc_sinkhorn_eps changes both the pre weights and the comb mix."""
+    T, D = 4, 32
+    residual = mhc.stream(T, D)
+    fn, scale, base, _ = site(mhc, D)
+    a = vllm.mhc_pre_delayed(residual, fn, scale, base, RMS_EPS, 1e-2, 2e-1, POST_MULT, REPEAT)
+    b = vllm.mhc_pre_delayed(residual, fn, scale, base, RMS_EPS, 2e-1, 1e-2, POST_MULT, REPEAT)
+    want_a = vllm_mixes(residual, fn, scale, base, RMS_EPS, 1e-2, 2e-1, POST_MULT, REPEAT)
+    mhc.assert_mix_close(a[3], want_a[0], "pre_mix")
+    mhc.assert_mix_close(a[1], want_a[2], "comb_mix")
+    assert not torch.equal(a[1], b[1]) and not torch.equal(a[3], b[3])
+
+
+# ----------------------------------------------------------------------------- boundaries at tp = 1
+@pytest.fixture(scope="module")
+def group1(tmp_path_factory):
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    store = tmp_path_factory.mktemp("group1") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+class GroupCoordinator:
+    """The shape of vLLM's group coordinator that communicator_for_group relies on."""
+
+    def __init__(self, device_group):
+        self.device_group = device_group
+
+
+@pytest.mark.parametrize("delayed", [True, False], ids=["delayed", "fresh"])
+def test_boundaries_tp1(mhc, group1, delayed):
+    T, D = 5, 64
+    residual, x = mhc.stream(T, D), mhc.y(T, D)
+    post_in, comb_in = mhc.mixes(T)
+    fn, scale, base, nw = site(mhc, D)
+    carried = mhc.pre_mix_in(T) if delayed else None
+    args = (x, residual, post_in.unsqueeze(-1), comb_in, fn, scale, base, *SCALARS)
+    kw = {"norm_weight": nw, "norm_eps": NORM_EPS}
+    if delayed:
+        local = vllm.mhc_fused_post_pre_delayed(*args, carried, **kw)
+    else:
+        local = vllm.mhc_fused_post_pre(*args, **kw)
+    with vllm.communicator_for_group(GroupCoordinator(group1), max_tokens=T, hidden_size=D) as comm:
+        for boundary in (vllm.tp_mhc_fused_post_pre, vllm.sp_mhc_fused_post_pre):
+            out = boundary(*args, **kw, comm=comm, pre_mix=carried)
+            assert len(out) == len(local)
+            for i, (a, b) in enumerate(zip(out, local, strict=True)):
+                assert torch.equal(a, b), f"{boundary.__name__}: output {i}"
+        post = vllm.mhc_post(x, residual, post_in.unsqueeze(-1), comb_in)
+        for fn_post in (vllm.tp_mhc_post, vllm.sp_mhc_post):
+            assert torch.equal(fn_post(x, residual, post_in.unsqueeze(-1), comb_in, comm=comm), post)
+        pre_local = (
+            vllm.mhc_pre_delayed(residual, fn, scale, base, *SCALARS, pre_mix=carried, **kw)
+            if delayed
+            else vllm.mhc_pre(residual, fn, scale, base, *SCALARS, **kw)
+        )
+        pre_sp = vllm.sp_mhc_pre(residual, fn, scale, base, *SCALARS, **kw, comm=comm, pre_mix=carried)
+        for i, (a, b) in enumerate(zip(pre_sp, pre_local, strict=True)):
+            assert torch.equal(a, b), f"sp_mhc_pre: output {i}"
+        assert torch.equal(vllm.sp_all_gather(vllm.sp_shard(residual, comm), T, comm), residual)
+
+
+def test_communicator_for_group(group1):
+    with vllm.communicator_for_group(group1, max_tokens=4, hidden_size=8, tp_push=False) as comm:
+        assert isinstance(comm, spkernels.Communicator) and comm.tp_size == 1 and comm.tp_push is False
+    with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup"):
+        vllm.communicator_for_group(object(), max_tokens=4, hidden_size=8)
+
+
+def test_compile_fullgraph(mhc):
+    """A V4 layer pair in vLLM's calling convention traces whole."""
+    T, D = 5, 32
+    residual, x = mhc.stream(T, D), mhc.y(T, D)
+    fn, scale, base, nw = site(mhc, D)
+
+    def layer(residual, x):
+        post, comb, li = vllm.mhc_pre(residual, fn, scale, base, *SCALARS, norm_weight=nw, norm_eps=NORM_EPS)
+        residual, post, comb, li = vllm.mhc_fused_post_pre(
+            li + x, residual, post, comb, fn, scale, base, *SCALARS
+        )
+        return vllm.mhc_post(li, residual, post, comb)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(residual, x), layer(residual, x))
