@@ -251,9 +251,9 @@ class Model:
             # The draft needs every token's whole stream: gather it (and pre_mix) first, then collapse
             # the full tensors: the same per-token math as collapsing the shard.
             if use_sp:
-                stream = ops.sp_all_gather(stream, batch.num_tokens, self.comm.handle)
+                stream = api.sp_all_gather(stream, batch.num_tokens, self.comm)
                 if self.delayed:
-                    pre_mix = ops.sp_all_gather(pre_mix, batch.num_tokens, self.comm.handle)
+                    pre_mix = api.sp_all_gather(pre_mix, batch.num_tokens, self.comm)
                 use_sp = False
             self.residual = stream.flatten(1)
         if self.delayed:  # reference.collapse: bf16(sum_i w_i X_i) in fp32, w the last pre_mix

@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import api
 from .config import ModelConfig
 from .model import Batch, Model
-
-ops = torch.ops.spkernels
 
 
 def block_weights(weights: dict) -> dict:
@@ -86,8 +85,8 @@ class MTPLayer(Model):
         if hidden.shape[0] != embed.shape[0]:
             raise ValueError(f"previous_hidden has {hidden.shape[0]} rows, the batch {embed.shape[0]}")
         if use_sp:  # token-shard the inputs: the projections are per token
-            embed = ops.sp_shard(embed, self.comm.handle)
-            hidden = ops.sp_shard(hidden.contiguous(), self.comm.handle)
+            embed = api.sp_shard(embed, self.comm)
+            hidden = api.sp_shard(hidden.contiguous(), self.comm)
         e = self._norm(embed, self.enorm) @ self.e_proj.t()
         h = self._norm(hidden, self.hnorm) @ self.h_proj.t()
         stream = (h.float() + e.float().unsqueeze(1)).to(torch.bfloat16)
