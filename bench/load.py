@@ -1,4 +1,4 @@
-"""Load test (issue 8): many back-to-back fused boundaries across GPUs, checked as they run.
+"""Load test: many back-to-back fused boundaries across GPUs, checked as they run.
 
     python bench/load.py [--calls 100000 | --quick] [--hidden-size 4096] [--max-tokens 2048]
                          [--check-every 1000] [--graph-frac 0.5] [--buckets 16,64,256] [--fused 1]

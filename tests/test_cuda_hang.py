@@ -1,4 +1,4 @@
-"""No infinite hang (issue 8): when a peer dies, the fused kernels' barriers time out.
+"""No infinite hang: when a peer dies, the fused kernels' barriers time out.
 
 Two ranks (cuda:0, cuda:1) with SPK_BARRIER_TIMEOUT=2 create one Communicator per fused op and
 run each op once together; then rank 1 exits abruptly (os._exit, no teardown). Rank 0 calls each

@@ -6,7 +6,7 @@
 - TP outputs are bitwise identical on every rank;
 - sp_shard / sp_all_gather round trips, the Communicator's lifetime and its argument errors.
 
-Both modes sum partials in fp32 in rank order and round to bf16 before the post (SPEC.md §2), so
+Both modes sum partials in fp32 in rank order and round to bf16 before the post (docs/contract.md), so
 the post results of SP and TP must be bitwise equal; the pre results are compared with tolerances
 (the fp32 product over a shard's rows and over all rows may differ in the last bit).
 

@@ -1,4 +1,4 @@
-"""V4.1 in the runner (issue 7, SPEC.md §4) on CPU (gloo): delayed pre-mix, Engram, the expert-parallel
+"""V4.1 in the runner on CPU (gloo): delayed pre-mix, Engram, the expert-parallel
 MoE and pipeline stages. PP2xTP2 (4 processes) and PP2xTP1, with SP on and off, give the one-process
 greedy tokens and logits; Engram sits on stage 1's first layer; prompts are not tp multiples. Plus
 plain-math checks of the Engram add, the MoE gate and experts, the delayed-mode forward, and the

@@ -1,4 +1,5 @@
-"""spkernels.Communicator: the opaque ``comm`` handle that every collective op takes (SPEC.md §6).
+"""spkernels.Communicator: the opaque ``comm`` handle that every collective op takes
+(docs/contract.md, "The communicator").
 
 Backends: ``lsa`` (fused kernels over NCCL symmetric memory, every peer NVLink/P2P reachable),
 ``nccl`` (NCCL host collectives + local kernels: multi-node, no P2P, or ``fused=False``), ``gloo``

@@ -10,7 +10,7 @@ same way whether it reaches the op through spkernels.api (which validates nothin
 Communicator's type) or through torch.ops directly. Communicator checks (closed, capacity, hidden
 size) sit where the communicator's state lives: comm.py's registry for gloo, CommState for CUDA.
 
-Reductions follow SPEC.md §2: fp32 sum in rank order 0..tp-1, rounded to bf16, then the post —
+Reductions follow docs/contract.md: fp32 sum in rank order 0..tp-1, rounded to bf16, then the post —
 identical on every rank.
 """
 

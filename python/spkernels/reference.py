@@ -1,4 +1,4 @@
-"""The mHC math of SPEC.md §1-2 in plain PyTorch: the single source of truth for every test.
+"""The mHC math of docs/contract.md in plain PyTorch: the single source of truth for every test.
 
 Everything is per token and computed in fp32 (or the dtype of ``compute_dtype``, fp64 in tests);
 bf16 rounding happens exactly where the spec puts it: the collapsed ``y``, the fused-norm
@@ -122,7 +122,7 @@ def mhc_head(stream, fn, scale, base, rms_eps=RMS_EPS, hc_eps=HC_EPS, compute_dt
 
 
 def reduce_partials(partials: list[torch.Tensor]) -> torch.Tensor:
-    """The reference reduction of SPEC.md §2: fp32 sum in rank order 0..tp-1, rounded to bf16."""
+    """The reference reduction: fp32 sum in rank order 0..tp-1, rounded to bf16."""
     acc = torch.zeros_like(partials[0], dtype=torch.float32)
     for p in partials:
         acc += p.float()

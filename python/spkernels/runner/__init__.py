@@ -1,4 +1,4 @@
-"""The minimal model runner (issue 6): a DeepSeek-V4-shaped mHC model driven end to end through
+"""The minimal model runner: a DeepSeek-V4-shaped mHC model driven end to end through
 spkernels' typed functions (spkernels.api) with TP, per-forward SP dispatch and full decode CUDA graphs."""
 
 from .config import PRESETS, ModelConfig, preset

@@ -61,7 +61,7 @@ class ModelConfig:
 
     @property
     def eps(self) -> tuple:
-        """The five mixing scalars in the op schemas' order (SPEC.md §3)."""
+        """The five mixing scalars in the op schemas' order."""
         return (self.rms_eps, self.hc_eps, self.norm_eps, self.sinkhorn_iters, self.post_alpha)
 
     def replace(self, **changes) -> ModelConfig:

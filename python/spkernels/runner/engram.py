@@ -1,4 +1,4 @@
-"""Engram (n-gram memory, SPEC.md §4): hashed n-gram embeddings added to the stream through a
+"""Engram (n-gram memory, docs/contract.md): hashed n-gram embeddings added to the stream through a
 per-stream gate.
 
 For each token and each n-gram order n, the ids of the last n tokens of its request (prompt and

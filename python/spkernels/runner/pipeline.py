@@ -4,7 +4,7 @@ World rank ``s * tp + r`` is TP rank r of stage s. At a stage's exit the stream 
 delayed mode, the pre_mix the next site collapses with) goes to the next stage's rank r with
 ``torch.distributed`` send/recv (gloo on CPU, NCCL on GPU). Under SP the exit gathers both and trims
 them to the true token count, and the entry pads them back to the step's padded count and shards
-them (SPEC.md §4), so the wire carries no pad rows and the two stages need not agree on a layout.
+them (docs/contract.md), so the wire carries no pad rows and the two stages need not agree on a layout.
 With ``direct_shards`` (both stages have the same tp, always true here) an SP step instead sends each
 rank's shard straight to its peer: the same padded count and tp give the same shard layout, so the
 result is bitwise identical and the gather, trim, pad and shard disappear. The last stage samples;
