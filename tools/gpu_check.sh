@@ -14,7 +14,7 @@
 #             git rev-parse --short REF > .ab/NAME/COMMIT
 #   sanitize  tools/sanitize.sh (compute-sanitizer over every kernel)
 #   wheel     tools/check_wheel.sh (build, install into a fresh venv, smoke test)
-# $OUT defaults to ./gpu_out. A summary of every part (pass/fail lines) goes to $OUT/summary.txt.
+# $OUT defaults to ./gpu_out; SPK_COMMIT names the tree (default: git HEAD). A summary of every part (pass/fail lines) goes to $OUT/summary.txt.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 parts=${1:-build,test,bench}; shift || true
@@ -26,7 +26,8 @@ want() { [[ ,$parts, == *,$1,* ]]; }
 note() { echo "$*" | tee -a "$summary"; }
 rc=0
 
-note "gpu_check $parts at $(git rev-parse --short HEAD 2>/dev/null || echo "${SPK_COMMIT:-unknown}") on $(date -u +%FT%TZ)"
+commit=${SPK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+note "gpu_check $parts at $commit on $(date -u +%FT%TZ)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$summary" 2>&1
 
 ab_trees=()
@@ -66,7 +67,7 @@ if want ab; then
       "$PYTHON" bench/collectives.py "${ab_args[@]}" --out "$OUT" --name "ab_$2" --commit "$3") > "$OUT/ab_$2.log" 2>&1
   }
   results=()
-  ab_bench "$PWD" this "$(git rev-parse --short HEAD 2>/dev/null || echo this)" && results+=("$OUT/ab_this.json")
+  ab_bench "$PWD" this "$commit" && results+=("$OUT/ab_this.json")
   for d in "${ab_trees[@]}"; do
     name=$(basename "$d")
     if [[ $(cat "$d/build.rc") != 0 ]]; then note "ab $name: build FAILED"; continue; fi
