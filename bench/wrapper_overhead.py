@@ -40,11 +40,14 @@ def measure(cases: dict, calls: int, repeats: int, sync) -> list[dict]:
         for f in (wrapper, direct):  # warm-up
             time_loop(f, max(calls // 10, 10), sync)
         w_us, d_us = [], []
-        for _ in range(repeats):
-            w_us.append(time_loop(wrapper, calls, sync))
-            d_us.append(time_loop(direct, calls, sync))
+        for i in range(repeats):  # alternate which goes first, so neither always follows the other
+            order = ((wrapper, w_us), (direct, d_us)) if i % 2 == 0 else ((direct, d_us), (wrapper, w_us))
+            for f, times in order:
+                times.append(time_loop(f, calls, sync))
+        # the median of the paired differences: drift between repeats cancels within each pair
+        overhead = statistics.median(w - d for w, d in zip(w_us, d_us, strict=True))
         w, d = statistics.median(w_us), statistics.median(d_us)
-        rows.append({"case": name, "wrapper_us": w, "torch_ops_us": d, "overhead_us": w - d})
+        rows.append({"case": name, "wrapper_us": w, "torch_ops_us": d, "overhead_us": overhead})
     return rows
 
 
