@@ -22,7 +22,7 @@ from .config import ModelConfig, preset
 from .engine import MICROBATCH_MIN_TOKENS, Engine
 from .model import Model
 from .pipeline import make_stage
-from .profile import Profiler
+from .profile import Profiler, step_kinds
 from .weights import load_weights, random_weights, save_weights
 
 DEFAULT_CUDA_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -228,6 +228,7 @@ def _generate(
         # a distributed model's steps start with its ranks met (not rank 0's lone --check reference)
         meet=_sync_ranks if model.comm is not None or model.stage is not None else None,
     )
+    engine.label_steps = profile
     if graphs:
         engine.capture(min(len(plan_.prompts), opts.max_tokens_per_step))
     for _ in range(opts.warmup):  # untimed: first-call costs (cuBLAS heuristics, allocator) stay out
@@ -251,6 +252,8 @@ def _generate(
             stats[key] = statistics.median(values)
             stats[key + "_range"] = (min(values), max(values))
         stats["repeat"] = opts.repeat
+    kinds = profiler.by_step_kind() if profile else None
+    stats["step_kinds"] = step_kinds(engine.steps, kinds, model.device.type)  # the last generation's
     if profile:
         stats["profile_ms"] = profiler.totals()
         stats["profile_top"] = profiler.top()
