@@ -61,6 +61,7 @@ class RunOptions:
     check_graphs: bool = False
     record_logits: bool = False
     profile: bool = False  # time by category (mHC, NCCL, attention, GEMM, other) of the measured run
+    compile_glue: bool = False  # torch.compile the rotary and SiLU-and-mul glue (Model.compile_glue)
     load_weights: str | None = None
     save_weights: str | None = None
     verbose: bool = True
@@ -366,6 +367,8 @@ def worker(rank: int, world_size: int, opts: RunOptions) -> dict | None:
         comm = Communicator(group, max_tokens=plan_.comm_capacity, hidden_size=config.hidden_size)
     try:
         model = Model(config, weights, device, comm, len(plan_.prompts), plan_.kv_len, stage)
+        if opts.compile_glue:
+            model.compile_glue()
         if not keep_weights:
             del weights  # the full model, generated on every rank: keep only the shard
         if device.type == "cuda":  # peak memory of the run, not of generating the full weights
