@@ -22,14 +22,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_info  # noqa: E402
+from common import machine_info
 
 
 def run(args: list[str], timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "out.json")
-        cmd = [sys.executable, "-m", "spkernels.runner", "--quiet", "--json", path, *args]
+        path = os.path.join(tmp, "runner.json")
+        cmd = [sys.executable, "-m", "spkernels.runner", "--quiet", "--out", tmp, *args]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         out = {"args": " ".join(args), "rc": proc.returncode}
         if proc.returncode or not os.path.exists(path):

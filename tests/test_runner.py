@@ -5,6 +5,7 @@ weights round trip, the scheduler and the errors for configs that cannot work.""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from spkernels.runner import (
     schedule,
     worker,
 )
+from spkernels.runner import model as model_mod
 from spkernels.runner import profile as profile_mod
 from spkernels.runner import weights as weights_mod
 from torch.autograd import DeviceType
@@ -140,6 +142,27 @@ def test_chunked_prefill_one_process(reference):
     assert_matches(results, reference)
 
 
+@pytest.mark.slow
+def test_compiled_glue_matches_one_process(reference):
+    """--compile-glue (torch.compile of rope_qkv and silu_mul; slow: it compiles) gives the eager
+    run's tokens, and logits within the check's tolerance."""
+    assert_matches(worker(0, 1, options(tp=1, sp_threshold=None, compile_glue=True)), reference)
+
+
+def test_glue_functions_match_the_eager_glue():
+    """rope_qkv and silu_mul (what --compile-glue compiles) compute what the in-place eager glue does."""
+    torch.manual_seed(0)
+    qkv = torch.randn(5, 3, 4, 16).to(torch.bfloat16)
+    freqs = torch.arange(5.0)[:, None, None, None] * 10000.0 ** (-torch.arange(8.0) / 8)
+    q, kv = model_mod.rope_qkv(qkv, freqs.cos(), freqs.sin())
+    Model._rope_(qkv[:, :2], freqs.cos(), freqs.sin())
+    assert torch.equal(q, qkv[:, 0]) and torch.equal(kv, qkv[:, 1:])
+    gate, up = torch.randn(2, 7, 32).to(torch.bfloat16)
+    assert torch.equal(
+        model_mod.silu_mul(gate, up), torch.mul(torch.nn.functional.silu(gate.float()), up).bfloat16()
+    )
+
+
 def test_weights_round_trip(tmp_path, monkeypatch, reference):
     config = plan(BASE).config
     weights = weights_mod.random_weights(config, BASE.seed, torch.device("cpu"))
@@ -181,6 +204,8 @@ def test_cli_check(tmp_path):
         "--profile",
         "--repeat",
         "2",
+        "--out",
+        str(tmp_path / "out"),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=os.environ.copy())
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -196,6 +221,101 @@ def test_cli_check(tmp_path):
     assert any(ln.startswith("profile other, largest: ") for ln in lines), proc.stdout
     top_mhc = [ln for ln in lines if ln.startswith("profile mHC, largest: ")]
     assert len(top_mhc) == 1 and "spkernels::" in top_mhc[0], proc.stdout
+    for kind in ("prefill", "decode"):  # per step kind: wall, GPU busy (n/a on cpu), by category
+        line = [ln for ln in lines if ln.startswith(f"profile {kind} steps (rank 0): ")]
+        assert len(line) == 1 and ", GPU busy n/a; ops busy " in line[0], proc.stdout
+    doc = json.loads((tmp_path / "out" / "runner.json").read_text())
+    assert doc["command"].startswith("python -m spkernels.runner --device cpu --tp 2 "), doc["command"]
+    assert doc["options"]["tp"] == 2 and doc["check"]["ok"] and doc["machine"]["gpu"] == "cpu"
+    assert [len(t) for t in doc["tokens"]] == [3, 3, 3]
+    kinds = doc["stats"]["step_kinds"]
+    assert kinds["prefill"]["steps"] == 1 and kinds["decode"]["steps"] == 2, kinds
+    for entry in kinds.values():
+        assert entry["wall_ms"] > 0 and entry["gpu_busy_ms"] is None and entry["gpu_ms"] is None, entry
+        assert 0 < entry["cpu_ops_busy_ms"] <= entry["wall_ms"], entry
+        assert entry["cpu_ops_ms"]["mHC"] > 0 and entry["cpu_ops_ms"]["GEMM"] > 0, entry
+
+
+def test_step_kinds_without_profile():
+    """The results always carry wall_ms and gpu_busy_ms per step kind (None: not measured)."""
+    stats = worker(0, 1, options(prompt_lens=(3, 5), gen=3, sp_threshold=None))["stats"]
+    kinds = stats["step_kinds"]
+    assert (kinds["prefill"]["steps"], kinds["decode"]["steps"]) == (1, 2), kinds
+    assert all(k["wall_ms"] > 0 and k["gpu_busy_ms"] is None for k in kinds.values()), kinds
+    assert 1e3 * stats["seconds"] == pytest.approx(sum(k["wall_ms"] for k in kinds.values()))
+
+
+def test_profile_by_step_kind_attributes_kernels_to_their_step():
+    """A kernel counts for the step whose range it starts in, clipped to it; kernels outside every
+    step (the ranks' meeting) and the ranges' own GPU annotations count nowhere."""
+
+    def event(name, start, end, device=DeviceType.CUDA):
+        return SimpleNamespace(
+            name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end)
+        )
+
+    step = profile_mod.STEP_RANGE
+    events = [
+        event(step + "prefill", 0, 5000, DeviceType.CPU),
+        event(step + "prefill", 0, 5000),  # the range's annotation on the GPU timeline
+        event(step + "decode", 6000, 7000, DeviceType.CPU),
+        event(step + "decode", 8000, 9000, DeviceType.CPU),
+        event("nvjet_tst_128x256", 100, 2100),
+        event("void spk::mhc_rows_kernel<2, true, true, false>", 2000, 3000),
+        event("void at::native::index_elementwise_kernel<128, 4>", 4500, 5500),  # clipped at 5000
+        event("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 5200, 5800),  # between steps: nowhere
+        event("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", 6100, 6400),
+        event("nvjet_tst_64x8", 8100, 8300),
+        event("aten::mm", 100, 200, DeviceType.CPU),
+    ]
+    kinds = profile_mod.by_step_kind(events, "cuda")
+    assert kinds["prefill"]["steps"] == 1 and kinds["decode"]["steps"] == 2, kinds
+    assert kinds["prefill"]["busy_ms"] == 3.4, kinds  # 0.1 .. 3.0 and 4.5 .. 5.0
+    assert kinds["prefill"]["busy_by_category_ms"] == {
+        "mHC": 1.0, "NCCL": 0.0, "attention": 0.0, "GEMM": 2.0, "other": 0.5
+    }  # fmt: skip
+    assert kinds["decode"]["busy_ms"] == 0.5 and kinds["decode"]["busy_by_category_ms"]["attention"] == 0.3
+    steps = [
+        SimpleNamespace(prefill_tokens=64, seconds=0.0051),
+        SimpleNamespace(prefill_tokens=0, seconds=0.001),
+    ]
+    entry = profile_mod.step_kinds(steps, kinds, "cuda")["prefill"]
+    assert entry["gpu_busy_ms"] == 3.4 and entry["wall_per_gpu_busy"] == pytest.approx(5.1 / 3.4), entry
+    assert (
+        "profile prefill steps (rank 0): 1 steps, wall 5.10 ms, GPU busy 3.40 ms, wall / GPU busy 1.500"
+        in (profile_mod.format_step_kind("prefill", entry))
+    )
+
+
+def step_op_counts(prompt_lens) -> list[dict[str, int]]:
+    """Ops launched by a prefill step and a decode step of the tiny preset (2 layers), one process."""
+    p = plan(options(prompt_lens=prompt_lens, gen=2, sp_threshold=None))
+    model = Model(
+        p.config, random_weights(p.config, 0, torch.device("cpu")), "cpu", None, len(p.prompts), p.kv_len
+    )
+    engine = Engine(model, p.policy, 64)
+    requests = [Request(i, list(prompt), 2) for i, prompt in enumerate(p.prompts)]
+    counts = []
+    for _ in range(2):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            engine.step(requests)
+        counts.append(profile_mod.op_counts(prof.events()))
+    return counts
+
+
+def test_model_glue_op_count():
+    """The model's glue (ops outside GEMM, attention and mHC) per step stays small: rotary tables
+    once per forward, q and k roped together in place, K and V in one indexed write, equal fresh
+    prompts in one attention call. Before: 81 glue ops in a prefill step, 84 in a decode step."""
+    # (prompt lengths, glue bound of the prefill step, attention calls per layer: one per request,
+    # equal fresh prompts together)
+    for prompt_lens, glue_bound, calls in (((40,), 36, 1), ((6, 6), 36, 1), ((7, 5, 3), 44, 3)):
+        prefill, decode = step_op_counts(prompt_lens)
+        for kind, counts, bound in (("prefill", prefill, glue_bound), ("decode", decode, 43)):
+            glue = {n: c for n, c in counts.items() if profile_mod.category(n) == "other"}
+            assert sum(glue.values()) <= bound, (prompt_lens, kind, glue)
+            assert "aten::cat" not in glue and glue.get("aten::cos") == 1, glue
+        assert prefill["aten::scaled_dot_product_attention"] == 2 * calls, prefill
 
 
 @pytest.mark.parametrize(
@@ -354,3 +474,34 @@ def test_gpu_graphs_match_one_process(cuda_reference, gpu_layouts, name):
     largest = max(lg.abs().max().item() for lg in cuda_reference["logits"])
     assert results["stats"]["graph_max_diff"] <= largest * 2**-8
     assert_matches(results, cuda_reference)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_forward_without_host_sync():
+    """No host synchronisation inside a forward: every step's forward (a prefill of two requests, a
+    chunked continuation with a decode row, eager decode and graph replays) and its LM head run under
+    torch.cuda.set_sync_debug_mode("error"); only reading the tokens afterwards synchronises."""
+    p = plan(options(device="cuda", prompt_lens=(5, 40), gen=4, sp_threshold=None, capture_sizes=(2,)))
+    model = Model(p.config, random_weights(p.config, 0, torch.device("cuda")), "cuda", None, 2, p.kv_len)
+    engine = Engine(model, p.policy, 16)  # the 40-token prompt in chunks
+    engine.capture(2)
+    requests = [Request(i, list(prompt), 4) for i, prompt in enumerate(p.prompts)]
+    kinds = set()
+    while not all(req.done for req in requests):
+        entries = schedule(requests, 16)
+        decode = all(req.decoding for req, _ in entries)
+        padded = p.policy.pad(sum(n for _, n in entries), decode)
+        graph = decode and padded in engine.graphs
+        batch, samples = engine.build_batch(entries, padded, decode)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = engine._forward(batch, False, graph, None)
+            if not graph:
+                model.head(out[: len(samples)])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        kinds.add((decode, graph))
+        engine.step(requests)  # the real step (same K/V rewritten), tokens read
+    assert kinds == {(False, False), (True, True)}, kinds  # prefill (mixed with decode rows), replays

@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import os
+import subprocess
 import sys
+
+import torch
 
 from .config import PRESETS
 from .engine import MICROBATCH_MIN_TOKENS
 from .launch import RunOptions, exit_without_teardown, launch
-from .profile import format_breakdown, format_top
+from .profile import STEP_KINDS, format_breakdown, format_step_kind, format_top
 from .speculative import DRAFT_MODES
 
 
@@ -108,12 +112,6 @@ def parse_args(argv=None) -> RunOptions:
         help="what proposes the drafts: the MTP layer, the plain run's tokens (oracle: every draft "
         "accepted) or never them (wrong); the MTP layer runs in every mode (default %(default)s)",
     )
-    p.add_argument(
-        "--json",
-        default=None,
-        metavar="PATH",
-        help="write the options, stats (acceptance rate, tokens per step with --mtp) and tokens as JSON",
-    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=0, help="untimed generations before the measured one")
     p.add_argument(
@@ -162,27 +160,32 @@ def parse_args(argv=None) -> RunOptions:
         help="print the measured run's time by category (mHC, NCCL, attention, GEMM, other; GPU kernel "
         "time on cuda); profiling slows the run, so take throughput from a run without it",
     )
+    p.add_argument(
+        "--compile-glue",
+        action="store_true",
+        help="torch.compile the model's elementwise glue (rotary embedding, SiLU-and-mul): one kernel "
+        "each; compiles on the first forwards (keep --warmup)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="write the results (machine, command, options, stats with wall_ms / gpu_busy_ms per step "
+        "kind, steps, tokens) to DIR/runner.json",
+    )
     p.add_argument("--load-weights", default=None, metavar="PATH")
     p.add_argument("--save-weights", default=None, metavar="PATH")
     p.add_argument("--quiet", action="store_true", help="no per-step lines or progress")
     fields = vars(p.parse_args(argv))
-    json_path = fields.pop("json")
-    opts = RunOptions(verbose=not fields.pop("quiet"), **fields)  # every other flag is a RunOptions field
-    return opts, json_path
+    del fields["out"]  # where main writes the results, not a run option (out_dir)
+    return RunOptions(verbose=not fields.pop("quiet"), **fields)  # every other flag is a RunOptions field
 
 
-def write_json(path: str, opts: RunOptions, results: dict) -> None:
-    out = {
-        "options": dataclasses.asdict(opts),
-        "device": results["device"],
-        "stats": results["stats"],
-        "peak_memory": results["peak_memory"],
-        "tokens": results["tokens"],
-    }
-    if "check" in results:
-        out["check"] = results["check"]
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1, default=str)
+def out_dir(argv) -> str | None:
+    """--out of a command line parse_args accepted."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--out", default=None)
+    return p.parse_known_args(argv)[0].out
 
 
 def report(results: dict) -> bool:
@@ -231,6 +234,9 @@ def report(results: dict) -> bool:
             print(format_breakdown(stats["profile_covered_ms"], results["device"], what))
         for label, top in stats["profile_top"].items():
             print(format_top(label, top))
+        for kind in STEP_KINDS:
+            if stats["step_kinds"][kind]["steps"]:
+                print(format_step_kind(kind, stats["step_kinds"][kind]))
     for i, tokens in enumerate(results["tokens"]):
         print(f"tokens {i}: {' '.join(map(str, tokens))}")
     check = results.get("check")
@@ -246,8 +252,45 @@ def report(results: dict) -> bool:
     return check["ok"]
 
 
+def machine() -> dict:
+    """What the results were measured on: device, versions, commit (SPK_COMMIT, else git), date."""
+    cuda = torch.cuda.is_available()
+    commit = os.environ.get("SPK_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            commit = "unknown"
+    return {
+        "gpu": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "gpus": torch.cuda.device_count() if cuda else 0,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "commit": commit,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_results(out_dir: str, results: dict, opts: RunOptions, argv: list[str]) -> str:
+    """DIR/runner.json: the results without the logits (tensors; --record-logits keeps them in memory)."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "runner.json")
+    doc = {
+        "machine": machine(),
+        "command": "python -m spkernels.runner " + " ".join(argv),
+        "options": dataclasses.asdict(opts),
+        **{k: v for k, v in results.items() if k != "logits"},
+    }
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    return path
+
+
 def main(argv=None) -> int:
-    opts, json_path = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    opts, out = parse_args(argv), out_dir(argv)
     try:
         results = launch(opts)
     except (ValueError, NotImplementedError) as e:
@@ -255,9 +298,10 @@ def main(argv=None) -> int:
         return 2
     if not results:  # a non-zero torchrun rank: rank 0 reports
         return 0
-    if json_path:
-        write_json(json_path, opts, results)
-    return 0 if report(results) else 1
+    ok = report(results)
+    if out is not None:
+        print(f"results: {write_results(out, results, opts, argv)}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

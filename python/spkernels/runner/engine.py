@@ -26,6 +26,7 @@ import torch
 from ..policy import SPPolicy
 from . import engram, pipeline
 from .model import Batch, Model
+from .profile import STEP_RANGE
 
 # A forward costs the host a fixed time to enqueue and the GPU a time per token. Eagerly, on the H200
 # machine, v4-flash-like's 2 layers per stage take the host ~2 ms (PP2 decode: 4.66 ms per step of
@@ -150,6 +151,9 @@ class Engine:
         self.graph_max_diff = 0.0
         self.steps: list[StepInfo] = []
         self.forwards: list[ForwardInfo] = []
+        # Profiled runs (launch sets it): each timed step inside a record_function range named for its
+        # kind, so the profile splits wall and GPU time by prefill / decode (profile.by_step_kind).
+        self.label_steps = False
 
     # ------------------------------------------------------------------ batches
     def _tensor(self, values):
@@ -276,6 +280,10 @@ class Engine:
         m = self.model
         self.meet()
         begin = time.perf_counter()
+        label = None
+        if self.label_steps:
+            label = torch.profiler.record_function(STEP_RANGE + ("decode" if decode else "prefill"))
+            label.__enter__()
         # A later stage posts every forward's receive first: microbatch k + 1's activations then
         # arrive while it computes microbatch k (and the stage before it computes k + 2).
         receives = [m.post_recv(f.num_tokens, f.padded, f.use_sp) for f, _ in forwards]
@@ -306,6 +314,8 @@ class Engine:
         else:
             next_ids = logits.argmax(dim=-1).tolist()
         self._sync()
+        if label is not None:
+            label.__exit__(None, None, None)
         seconds = time.perf_counter() - begin
         prefill = sum(count for req, count in entries if not req.decoding)
         for req, count in entries:

@@ -23,7 +23,7 @@ from .engine import MICROBATCH_MIN_TOKENS, Engine
 from .model import Model
 from .mtp import MTPLayer
 from .pipeline import make_stage
-from .profile import Profiler
+from .profile import Profiler, step_kinds
 from .speculative import DRAFT_MODES, SpeculativeEngine
 from .weights import load_weights, random_weights, save_weights
 
@@ -67,6 +67,7 @@ class RunOptions:
     check_graphs: bool = False
     record_logits: bool = False
     profile: bool = False  # time by category (mHC, NCCL, attention, GEMM, other) of the measured run
+    compile_glue: bool = False  # torch.compile the rotary and SiLU-and-mul glue (Model.compile_glue)
     load_weights: str | None = None
     save_weights: str | None = None
     verbose: bool = True
@@ -284,6 +285,7 @@ def _generate(
             model, mtp[0], policy, opts.max_tokens_per_step, opts.mtp, opts.mtp_draft, oracle, **kwargs
         )
         max_batch = min(len(plan_.prompts), opts.max_tokens_per_step // (opts.mtp + 1))
+    engine.label_steps = profile
     if graphs:
         engine.capture(max_batch)
     for _ in range(opts.warmup):  # untimed: first-call costs (cuBLAS heuristics, allocator) stay out
@@ -307,6 +309,8 @@ def _generate(
             stats[key] = statistics.median(values)
             stats[key + "_range"] = (min(values), max(values))
         stats["repeat"] = opts.repeat
+    kinds = profiler.by_step_kind() if profile else None
+    stats["step_kinds"] = step_kinds(engine.steps, kinds, model.device.type)  # the last generation's
     if profile:
         stats["profile_ms"] = profiler.totals()
         stats["profile_top"] = profiler.top()
@@ -419,6 +423,8 @@ def worker(rank: int, world_size: int, opts: RunOptions) -> dict | None:
         comm = Communicator(group, max_tokens=plan_.comm_capacity, hidden_size=config.hidden_size)
     try:
         model = Model(config, weights, device, comm, len(plan_.prompts), plan_.kv_len, stage)
+        if opts.compile_glue:
+            model.compile_glue()
         mtp = None
         if opts.mtp is not None:  # (the draft layer on the last stage, else None)
             layer = None

@@ -26,6 +26,20 @@ from .config import ModelConfig
 from .weights import shard
 
 
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention glue as one function, for torch.compile (Model.compile_glue): bf16 qkv
+    [T, 3, heads, hd] -> (q [T, heads, hd], kv [T, 2, heads, hd]) with q and k rotated (fp32 math,
+    rounded to bf16 once) and v next to k, ready for the one indexed cache write."""
+    x1, x2 = qkv[:, :2].float().chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(qkv.dtype)
+    return rotated[:, 0], torch.stack([rotated[:, 1], qkv[:, 2]], dim=1)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The FFN glue: bf16(silu(gate) * up) in fp32."""
+    return (F.silu(gate.float()) * up.float()).to(torch.bfloat16)
+
+
 @dataclass
 class Batch:
     """One forward over T padded rows. Pad rows carry the pad token (a zero embedding, so their stream
@@ -109,6 +123,12 @@ class Model:
         self.kv_cache = torch.zeros(shape, dtype=torch.bfloat16, device=dev)
         half = config.head_dim // 2
         self.inv_freq = config.rope_theta ** (-torch.arange(half, device=dev, dtype=torch.float32) / half)
+        self.key_positions = torch.arange(self.max_seq_len, device=dev)  # masks slice it, never build it
+        # Several tokens of one batch may share a KV row (a speculative verify: K + 1 per request);
+        # decode attention then cannot scatter one query per cache row (_attend_in_place).
+        self.queries_share_rows = False
+        self._forward_tables: tuple = (None, None)  # (batch, tables) of the forward running (_tables)
+        self._glue = None  # compiled rope_qkv and silu_mul (compile_glue); None: eager
         self.peak_stream_bytes = 0
         self.pending_sends: list = []  # (work, buffer) of this stage's sends in flight (pipeline.isend)
         # With an MTP draft (mtp.py) the last stage keeps each forward's whole pre-head stream, flat
@@ -123,54 +143,129 @@ class Model:
             return x @ weight.t()
         return torch.mm(x, weight.t(), out=self.comm.partial_buffer(x.shape[0]))
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        freqs = positions.float()[:, None, None] * self.inv_freq  # [T, 1, hd/2]
-        cos, sin = freqs.cos(), freqs.sin()
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+    def _tables(self, index: int, batch: Batch) -> dict:
+        """What every layer of a forward shares, computed once at its first layer (or for a batch it
+        has not seen): the rotary cos/sin [T, 1, 1, hd/2] fp32 and, on the decode path, the [T, S]
+        visibility mask. Recomputed at the first layer of every forward, never carried over from
+        the last one: a captured graph must record it, so that a replay recomputes it from the
+        static batch's new positions."""
+        if index == 0 or self._forward_tables[0] is not batch:
+            freqs = batch.positions.float()[:, None, None, None] * self.inv_freq
+            tables = {"cos": freqs.cos(), "sin": freqs.sin()}
+            if batch.segments is None:  # [T or cache rows, 1, 1, S] (_decode_attention)
+                visible = self.key_positions < batch.seq_lens[:, None]
+                if self._attend_in_place(batch):
+                    rows = self.kv_cache.shape[2]
+                    mask = torch.zeros((rows, visible.shape[1]), dtype=torch.bool, device=visible.device)
+                    mask[:, 0] = True  # rows outside the batch see one key: outputs never read
+                    mask[batch.rows] = visible
+                    visible = mask
+                tables["visible"] = visible[:, None, None]
+            self._forward_tables = (batch, tables)
+        return self._forward_tables[1]
+
+    @staticmethod
+    def _rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotary embedding in place on bf16 x [T, n, heads, hd] (q and k together): the products in
+        fp32, each half rounded to bf16 once, as it is written back; no fp32 copy of x, no cat."""
+        x1, x2 = x.chunk(2, dim=-1)
+        a, b, c = x1 * cos, x2 * sin, x1 * sin  # bf16 x fp32 -> fp32: exactly x1.float() * cos
+        torch.sub(a, b, out=x1)
+        torch.add(c, x2 * cos, out=x2)
+
+    def compile_glue(self) -> None:
+        """torch.compile the elementwise glue around the attention and the FFN (rope_qkv, silu_mul):
+        one generated kernel each instead of several eager ones. Dynamic in T (no recompile per
+        step size); the first forward of each new shape class compiles, which the warm-up and the
+        graph capture's own warm-up forwards absorb. Numerics: the same fp32 math, but a generated
+        kernel may contract multiply-adds (FMA), so logits differ from the eager glue by bf16 noise."""
+        compile_ = lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)  # noqa: E731
+        self._glue = {"rope": compile_(rope_qkv), "act": compile_(silu_mul)}
 
     def attention(self, index: int, layer_input: torch.Tensor, batch: Batch) -> torch.Tensor:
         layer = self.layers[index]
+        tables = self._tables(index, batch)
         T, heads, hd = layer_input.shape[0], self.local_heads, self.config.head_dim
-        q, k, v = (layer_input @ layer["wqkv"].t()).view(T, 3, heads, hd).unbind(1)
-        q, k = self._rope(q, batch.positions), self._rope(k, batch.positions)
+        qkv = (layer_input @ layer["wqkv"].t()).view(T, 3, heads, hd)
+        if self._glue is not None:
+            q, kv = self._glue["rope"](qkv, tables["cos"], tables["sin"])
+        else:
+            self._rope_(qkv[:, :2], tables["cos"], tables["sin"])
+            q, kv = qkv[:, 0], qkv[:, 1:]
+        # K and V of every token into the cache in one indexed write: [T, 2, heads, hd] -> rows x positions
+        self.kv_cache[index][:, batch.rows, :, batch.positions] = kv
         k_cache, v_cache = self.kv_cache[index]
-        k_cache[batch.rows, :, batch.positions] = k
-        v_cache[batch.rows, :, batch.positions] = v
         if batch.segments is None:
-            out = self._decode_attention(q, k_cache, v_cache, batch)
+            out = self._decode_attention(q, k_cache, v_cache, batch, tables["visible"])
         else:
             out = self._prefill_attention(q, k_cache, v_cache, batch)
         return self._row_parallel(out.reshape(T, heads * hd), layer["wo"])
 
-    def _decode_attention(self, q, k_cache, v_cache, batch):
+    def _attend_in_place(self, batch: Batch) -> bool:
+        """Decode: attend every cache row in place (queries scattered to their rows, outputs gathered
+        back) rather than copy each batch row's keys and values out of the cache (a copy reads and
+        writes what the attention then reads again), once the batch has at least a third as many
+        rows as the cache, and never when tokens share a cache row. Decided from shapes and settings
+        alone: the same in a graph and in its replays."""
+        return not self.queries_share_rows and 3 * batch.input_ids.shape[0] >= self.kv_cache.shape[2]
+
+    def _decode_attention(self, q, k_cache, v_cache, batch, visible):
         """One query per row against its request's cache row, masked to its length: fixed shapes
-        and no host reads, so it records into a CUDA graph."""
-        keys, values = k_cache[batch.rows], v_cache[batch.rows]  # [T, heads, S, hd]
-        visible = torch.arange(self.max_seq_len, device=q.device) < batch.seq_lens[:, None]
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=visible[:, None, None])
-        return out.squeeze(2)
+        and no host reads, so it records into a CUDA graph. Pad rows all share the trash row; in
+        place, whichever of them lands there, their output is never used."""
+        if not self._attend_in_place(batch):
+            keys, values = k_cache[batch.rows], v_cache[batch.rows]  # [T, heads, S, hd]
+            return F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=visible).squeeze(2)
+        # rows outside the batch keep whatever query the buffer holds: their outputs are never read
+        query = q.new_empty((k_cache.shape[0], q.shape[1], 1, q.shape[2]))
+        query[batch.rows] = q.unsqueeze(2)
+        out = F.scaled_dot_product_attention(query, k_cache, v_cache, attn_mask=visible)
+        return out[batch.rows].squeeze(2)
 
     def _prefill_attention(self, q, k_cache, v_cache, batch):
-        out = torch.zeros_like(q)  # pad rows attend to nothing
+        """Causal attention per request. Consecutive fresh prompts of equal length on consecutive
+        cache rows go as one batched call (their queries and cache rows are already views of one
+        block); one call that covers every row returns its output without a copy."""
+        T = q.shape[0]
+        runs = []  # [row, first, start, count, n]: n requests of one length from (row, first)
         for row, first, start, count in batch.segments:
+            last = runs[-1] if runs else None
+            if (
+                last is not None and start == 0 and last[2] == 0 and last[3] == count
+                and last[0] + last[4] == row and last[1] + last[4] * count == first
+            ):  # fmt: skip
+                last[4] += 1
+            else:
+                runs.append([row, first, start, count, 1])
+        out = None
+        for row, first, start, count, n in runs:
             end = start + count
-            # 4-D [1, heads, len, hd]: what the fused (flash / memory-efficient) SDPA kernels take
-            query = q[first : first + count].transpose(0, 1).unsqueeze(0)
-            keys, values = k_cache[row : row + 1, :, :end], v_cache[row : row + 1, :, :end]
+            # 4-D [n, heads, len, hd]: what the fused (flash / memory-efficient) SDPA kernels take
+            query = q[first : first + n * count].view(n, count, *q.shape[1:]).transpose(1, 2)
+            keys, values = k_cache[row : row + n, :, :end], v_cache[row : row + n, :, :end]
             if start == 0:
                 res = F.scaled_dot_product_attention(query, keys, values, is_causal=True)
             else:  # a later chunk or a decode token: causal with the cached prefix in front
-                queries = start + torch.arange(count, device=q.device)
-                mask = torch.arange(end, device=q.device) <= queries[:, None]
+                mask = self.key_positions[:end] <= (start + self.key_positions[:count])[:, None]
                 res = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
-            out[first : first + count] = res[0].transpose(0, 1)
+            res = res.transpose(1, 2).reshape(n * count, *q.shape[1:])
+            if n * count == T:  # one call covered every row: no pad rows, nothing to place
+                return res
+            if out is None:
+                out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+                out[batch.num_tokens :].zero_()  # pad rows attend to nothing
+            out[first : first + n * count] = res
         return out
 
     def ffn(self, index: int, layer_input: torch.Tensor) -> torch.Tensor:
         layer = self.layers[index]
         gate, up = (layer_input @ layer["w_gate_up"].t()).chunk(2, dim=-1)
-        act = (F.silu(gate.float()) * up.float()).to(torch.bfloat16)
+        # fp32 product rounded to bf16 as it is written: (silu(gate) * up).to(bf16) without the fp32
+        # copy of up or of the product
+        if self._glue is not None:
+            act = self._glue["act"](gate, up)
+        else:
+            act = torch.mul(F.silu(gate.float()), up, out=up.new_empty(up.shape))
         if "router" not in layer:
             return self._row_parallel(act, layer["w_down"])
         # MoE: this rank's shard of the shared expert plus its own routed experts, one bf16 partial

@@ -9,15 +9,41 @@ shares.
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 from torch.autograd import DeviceType
+
+# The name of the record_function range the Engine puts around each timed step when profiled, + its
+# kind ("prefill": any prompt token in it; "decode"). On cuda the profiler also shows it on the GPU
+# timeline (a user annotation spanning the step): like ProfilerStep, never counted as kernel time.
+STEP_RANGE = "spkernels.step."
+STEP_KINDS = ("prefill", "decode")
+
+
+def _annotation(name: str) -> bool:
+    return name.startswith(("ProfilerStep", STEP_RANGE))
+
 
 # (label, lower-case name fragments); the first match wins, anything else is "other".
 CATEGORIES = (
     ("mHC", ("spk::", "spkernels::")),
     ("NCCL", ("nccl", "c10d::", "gloo")),
     ("attention", ("flash", "fmha", "attention")),  # before GEMM: cutlass fmha kernels
-    ("GEMM", ("gemm", "cutlass", "nvjet", "xmma", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear")),
+    (
+        "GEMM",
+        (
+            "gemm",
+            "cutlass",
+            "nvjet",
+            "xmma",
+            "aten::mm",
+            "aten::matmul",
+            "aten::addmm",
+            "aten::bmm",
+            "aten::linear",
+        ),
+    ),
 )
 LABELS = tuple(label for label, _ in CATEGORIES) + ("other",)
 
@@ -35,7 +61,7 @@ def _timed(events, device_type: str):
     Not the schedule's ProfilerStep range: on cuda it is also a GPU-timeline annotation spanning
     the whole step, which would count the step's time twice."""
     for e in events:
-        if e.key.startswith("ProfilerStep"):
+        if _annotation(e.key):
             continue
         if device_type == "cuda":
             if e.device_type == DeviceType.CUDA:
@@ -77,10 +103,138 @@ def coverage(events) -> dict[str, float]:
     under "GPU busy" what any kernel covers."""
     spans = {label: [] for label in LABELS}
     for e in events:
-        if e.device_type == DeviceType.CUDA and not e.name.startswith("ProfilerStep"):
+        if e.device_type == DeviceType.CUDA and not _annotation(e.name):
             spans[category(e.name)].append((e.time_range.start, e.time_range.end))
     busy = covered_ms(iv for ivs in spans.values() for iv in ivs)
     return {**{label: covered_ms(ivs) for label, ivs in spans.items()}, "GPU busy": busy}
+
+
+def _op(name: str) -> bool:
+    return name.startswith(("aten::", "spkernels::"))
+
+
+def _outermost_op(e) -> bool:
+    """A CPU op not called from inside another op (whose time already counts it)."""
+    parent = e.cpu_parent
+    while parent is not None:
+        if _op(parent.name):
+            return False
+        parent = parent.cpu_parent
+    return True
+
+
+def _work(events, device_type: str):
+    """(name, start_us, end_us) of what occupies the device: kernels on cuda; on cpu the outermost ops."""
+    for e in events:
+        if _annotation(e.name):
+            continue
+        if device_type == "cuda":
+            if e.device_type == DeviceType.CUDA:
+                yield e.name, e.time_range.start, e.time_range.end
+        elif e.device_type == DeviceType.CPU and _op(e.name) and _outermost_op(e):
+            yield e.name, e.time_range.start, e.time_range.end
+
+
+def by_step_kind(events, device_type: str) -> dict[str, dict]:
+    """Per step kind, from the Engine's STEP_RANGE ranges in ``profiler.events()``: the steps seen,
+    the milliseconds of them that any work covers ("busy": GPU kernels on cuda, outermost ops on
+    cpu) and what each category covers. A kernel belongs to the step whose range it starts in: every
+    timed step begins with the device drained and ends with its tokens read, so its kernels run
+    inside its range (clipped to it all the same)."""
+    ranges = sorted(
+        (e.time_range.start, e.time_range.end, e.name[len(STEP_RANGE) :])
+        for e in events
+        if e.device_type == DeviceType.CPU and e.name.startswith(STEP_RANGE)
+    )
+    starts = [start for start, _, _ in ranges]
+    spans = {kind: {label: [] for label in LABELS} for _, _, kind in ranges}
+    for name, start, end in _work(events, device_type):
+        i = bisect.bisect_right(starts, start) - 1
+        if i < 0 or start >= ranges[i][1]:
+            continue  # outside every timed step (the ranks' meeting, the tracer's own work)
+        low, high, kind = ranges[i]
+        spans[kind][category(name)].append((start, min(end, high)))
+    out = {}
+    for kind, by_label in spans.items():
+        out[kind] = {
+            "steps": sum(k == kind for _, _, k in ranges),
+            "busy_ms": covered_ms(iv for ivs in by_label.values() for iv in ivs),
+            "busy_by_category_ms": {label: covered_ms(ivs) for label, ivs in by_label.items()},
+        }
+    return out
+
+
+# Ops that launch no work of their own: views, allocations, dtype and layout no-ops.
+VIEW_OPS = frozenset(
+    "aten::" + name
+    for name in (
+        "view", "as_strided", "select", "slice", "unsqueeze", "squeeze", "transpose", "t", "expand",
+        "chunk", "split", "unbind", "permute", "_unsafe_view", "alias", "detach", "detach_", "empty",
+        "empty_strided", "empty_like", "new_empty", "resize_", "lift_fresh", "narrow", "_reshape_alias",
+        "resolve_conj", "resolve_neg", "result_type", "to", "_to_copy", "reshape", "contiguous", "flatten",
+    )
+)  # fmt: skip
+
+
+def op_counts(events) -> dict[str, int]:
+    """Ops that launch work, by name, from ``profiler.events()`` of a CPU profile: the outermost op
+    of each call tree, looking through VIEW_OPS (``.to`` counts the copy it makes, if any) and
+    counting a composite op once (its own kernels are its business: an mHC op, a GEMM, SDPA). On
+    cuda each launches one or a few kernels: a proxy for the kernels a forward launches."""
+    counts: dict[str, int] = {}
+
+    def visit(e):
+        if e.name in VIEW_OPS or not _op(e.name):
+            for child in e.cpu_children:
+                visit(child)
+        else:
+            counts[e.name] = counts.get(e.name, 0) + 1
+
+    for e in events:
+        if e.device_type == DeviceType.CPU and e.cpu_parent is None:
+            visit(e)
+    return counts
+
+
+def step_kinds(steps, profiled: dict | None, device_type: str) -> dict[str, dict]:
+    """The results' per-step-kind figures: steps, ``wall_ms`` (the steps' clock, Engine.step) and,
+    from a profile on cuda, ``gpu_busy_ms`` (GPU time any kernel covers), ``wall_per_gpu_busy`` and
+    ``gpu_ms`` by category; None where not measured (no profile, or cpu: no GPU). A profile on cpu
+    gives ``cpu_ops_busy_ms`` and ``cpu_ops_ms`` instead (outermost ops)."""
+    out = {}
+    for kind in STEP_KINDS:
+        mine = [s for s in steps if bool(s.prefill_tokens) == (kind == "prefill")]
+        wall = 1e3 * sum(s.seconds for s in mine)
+        entry = {
+            "steps": len(mine),
+            "wall_ms": wall,
+            "gpu_busy_ms": None,
+            "wall_per_gpu_busy": None,
+            "gpu_ms": None,
+        }
+        seen = (profiled or {}).get(kind)
+        if seen is not None and device_type == "cuda":
+            busy = seen["busy_ms"]
+            entry.update(gpu_busy_ms=busy, gpu_ms=seen["busy_by_category_ms"])
+            entry["wall_per_gpu_busy"] = wall / busy if busy else None
+        elif seen is not None:
+            entry.update(cpu_ops_busy_ms=seen["busy_ms"], cpu_ops_ms=seen["busy_by_category_ms"])
+        out[kind] = entry
+    return out
+
+
+def format_step_kind(kind: str, entry: dict) -> str:
+    """One --profile line per step kind: wall, GPU busy, their ratio, GPU time by category."""
+    head = f"profile {kind} steps (rank 0): {entry['steps']} steps, wall {entry['wall_ms']:.2f} ms"
+    if entry["gpu_busy_ms"] is not None:
+        ratio = entry["wall_per_gpu_busy"]
+        parts = ", ".join(f"{k} {v:.2f} ms" for k, v in entry["gpu_ms"].items())
+        ratio_text = f"{ratio:.3f}" if ratio is not None else "n/a"
+        return f"{head}, GPU busy {entry['gpu_busy_ms']:.2f} ms, wall / GPU busy {ratio_text}; GPU {parts}"
+    if "cpu_ops_busy_ms" in entry:
+        parts = ", ".join(f"{k} {v:.2f} ms" for k, v in entry["cpu_ops_ms"].items())
+        return f"{head}, GPU busy n/a; ops busy {entry['cpu_ops_busy_ms']:.2f} ms: {parts}"
+    return f"{head}, GPU busy n/a"
 
 
 def format_breakdown(totals: dict[str, float], device_type: str, what: str | None = None) -> str:
@@ -131,6 +285,9 @@ class Profiler:
 
     def coverage(self) -> dict[str, float] | None:
         return coverage(self.prof.events()) if self.device_type == "cuda" else None
+
+    def by_step_kind(self) -> dict[str, dict]:
+        return by_step_kind(self.prof.events(), self.device_type)
 
     def top(self) -> dict[str, list[tuple[str, float, int]]]:
         events = self.prof.key_averages()

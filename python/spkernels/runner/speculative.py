@@ -110,6 +110,9 @@ class SpeculativeEngine(Engine):
         self.mtp, self.num_draft, self.draft_mode, self.oracle = mtp, num_draft, draft_mode, oracle
         self.lookahead = num_draft
         model.stash_residual = model.last_stage
+        for m in (model, mtp):  # a verify's K + 1 tokens per request share its KV row
+            if m is not None:
+                m.queries_share_rows = True
         self.graph_residuals: dict[int, torch.Tensor] = {}
         self.mtp_graphs: dict[int, tuple] = {}
 
