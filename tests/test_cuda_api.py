@@ -19,6 +19,15 @@ from test_vllm_cpu import POST_MULT, REPEAT, RMS_EPS, vllm_mixes
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 ops = torch.ops.spkernels
 f64 = torch.float64
+# The kernels' own Sinkhorn eps changes every pre kernel's code; until a GPU run has verified that
+# change, the CUDA ops refuse sinkhorn_eps != hc_eps with a RuntimeError, and these tests expect it.
+SINKHORN_EPS_ON_CUDA = False
+needs_sinkhorn_eps = pytest.mark.xfail(
+    not SINKHORN_EPS_ON_CUDA,
+    raises=RuntimeError,
+    strict=True,
+    reason="sinkhorn_eps != hc_eps refused on CUDA",
+)
 
 
 def cuda_site(mhc, D, norm=True, **scalars) -> MhcParams:
@@ -46,7 +55,7 @@ def test_functions_are_the_ops(mhc, T, D):
     stream, y = mhc.stream(T, D).cuda(), mhc.y(T, D).cuda()
     post_mix, res_mix = (t.cuda() for t in mhc.mixes(T))
     mixes = spkernels.Mixes(post_mix, res_mix, mhc.pre_mix_in(T).cuda())
-    p = cuda_site(mhc, D, sinkhorn_eps=1e-3)
+    p = cuda_site(mhc, D, sinkhorn_eps=1e-6)  # passed through (CPU tests pass other values)
     assert_same(spkernels.mhc_pre(stream, p), ops.mhc_pre(stream, *op_args(p)))
     assert_same(spkernels.mhc_post(y, stream, mixes), ops.mhc_post(y, stream, post_mix, res_mix))
     assert_same(
@@ -55,6 +64,7 @@ def test_functions_are_the_ops(mhc, T, D):
     )
 
 
+@needs_sinkhorn_eps
 @pytest.mark.parametrize("T,D", [(1, 4096), (17, 4096), (4099, 7168)])
 def test_sinkhorn_eps_apart_from_hc_eps(mhc, T, D):
     """hc_eps on the pre weights, sinkhorn_eps on the Sinkhorn: the CUDA kernels against
@@ -79,6 +89,7 @@ def test_sinkhorn_eps_apart_from_hc_eps(mhc, T, D):
     )
 
 
+@needs_sinkhorn_eps  # vLLM's hc_pre_eps and hc_sinkhorn_eps differ here
 @pytest.mark.parametrize("T", [2, 16, 17, 600])
 def test_vllm_functions_against_vllm_math(mhc, T):
     D = 4096
@@ -105,7 +116,7 @@ def test_cuda_graph_capture_through_the_functions(mhc):
     stream, y = mhc.stream(T, D).cuda(), mhc.y(T, D).cuda()
     post_mix, res_mix = (t.cuda() for t in mhc.mixes(T))
     mixes = spkernels.Mixes(post_mix, res_mix, mhc.pre_mix_in(T).cuda())
-    p = cuda_site(mhc, D, sinkhorn_eps=1e-4)
+    p = cuda_site(mhc, D)
 
     def chain():
         s, li, m = spkernels.mhc_post_pre(y, stream, mixes, p, pre_mix_in=mixes.pre_mix)
