@@ -292,7 +292,7 @@ def test_gather_protocol_back_to_back(T, D):
 
 
 def _tp_push_race_worker(rank, world_size, D):
-    """The pushed mhc_post_ar's protocol (PushArgs in mhc_tile.cuh): 90 calls back to back without a
+    """The pushed mhc_post_ar's protocol (PushArgs; protocol in kernels/tp_push.cuh): 90 calls back to back without a
     host sync, pushed (T <= 128: slots alternate, each vector's reader clears it) and pulled
     (T = 200), interleaved with mhc_post_pre_ar calls (pulled: the same window's barriers and
     partial region), the zero-copy partial rewritten right after each call, one rank lagging by a

@@ -1,4 +1,26 @@
 #pragma once
+// The mHC kernels behind every op, local or fused with a collective (torch-free). Two passes:
+//
+// 1. mhc_rows_kernel. CTA (g, s) owns column slice s of D (at most 256 columns of each of the
+//    4 streams) and the 16-token tiles g, g + G, ... For each tile it
+//    A. loads the stream slice (and for a post: y, or the sum of every peer's partial rows in
+//       rank order 0..tp-1 over NVLink), mixes it and stores the new stream;
+//    B. for a pre: m = fn · x on bf16 tensor cores, fn split into bf16 hi + lo (fp32-grade
+//       accuracy), and the sum of x^2, summed warp -> CTA in a fixed order and written to a
+//       workspace ws[T][S][rows + 1]. No CTA ever waits for another: the pass streams at HBM
+//       (and NVLink) speed. At decode sizes (tiles x slices x 3 CTAs fit one per SM) CTA (g, s, p)
+//       computes only fn rows 8p..8p+7 (a = 3 parts): three times the CTAs, each loading a third
+//       of fn, with every sum bitwise unchanged (each row's mma chain is the same).
+// 2. mhc_collapse_row_kernel / mhc_collapse_loop_kernel (pres only; a CTA per row while the rows'
+//    CTAs fit on the GPU in two waves, above that a CTA per SM slot looping over rows): sums each
+//    row's S partials in slice order, computes the coefficients on a coefficient warp (sigmoids,
+//    Sinkhorn; one quad of lanes per row; the collapse starts once the pre weights are out),
+//    collapses the stream (+ fused RMSNorm) and writes layer_input; in SP mode it also stores each row straight into
+//    every peer's gather region (NVLink pushes overlapping the pass's HBM work), and
+//    lsa_copy_in_kernel moves the peers' rows into layer_input (protocol in lsa_gather.cuh).
+//    Pass 2 is a programmatic dependent launch of pass 1 (pdl.cuh).
+// Every summation has a fixed order: replicated ranks compute bitwise-identical results, and a
+//
 // Host side of the mHC kernels (torch-free): the launch plan, a function of the shapes (and of a
 // rank-agreed CTA cap for the fused ops) only, so every rank launches the same grids.
 #include <cstdio>
@@ -8,7 +30,9 @@
 #include <tuple>
 
 #include "kernels/lsa_gather.cuh"
-#include "kernels/mhc_tile.cuh"
+#include "kernels/mhc_collapse.cuh"
+#include "kernels/mhc_pass1.cuh"
+#include "kernels/mhc_post_row.cuh"
 
 namespace spk {
 
@@ -55,19 +79,10 @@ inline cudaError_t rows_max_ctas(int hidden, int* out) {
                        rows_smem_bytes<kSrc, kPost, kPre, kHead>(hidden), out);
 }
 
-// Pass 2 of a pre: a CTA per row while the rows' CTAs fit on the device in kRowWaves waves (each
-// row's loads in one round, the rows side by side: ncu at D = 4096, T = 128 7.4 us, while the
-// former warp-per-row kernel took 12.5 at T = 256 on a quarter of the SMs); above that, a CTA per
-// slot that loops over the rows (mhc_collapse_loop_kernel). Against that warp-per-row kernel (7
-// rows per CTA) on 2xH200 at T = 1024-8192: mhc_pre -4-11%, mhc_post_pre -1-6%, mhc_head -1-17% to
-// T = 4096 (+0-2% at 8192), the TP boundary -10% at T = 528 and -6% to +4% above
-// (bench/results/ab_rowloop_2026-11-30.txt); SP's gather, its last user: mhc_pre_ag -5-10% at
-// T = 2048-8192, the fused boundary 0 to -5% (ab_rowloop_sp_2026-11-30.txt). Both kernels give the
-// same bits (mhc_tile.cuh). With a.exit_barrier (TP) one more CTA than the rows need: it does the
-// exit barrier alone. Two waves, not one (bench/results/ab_waves_2026-11-30.txt, T = 512: mhc_pre
-// -9% at D = 4096 and -16% at D = 7168, the head -13 / -20%, mhc_post_pre -7 / -18%); four were
-// 6-21% slower at T = 1024 than the warp-per-row kernel.
-constexpr int kRowWaves = 2;
+// Pass 2 of a pre (launch_collapse): a CTA per row while the rows' CTAs fit on the device in
+// kRowWaves waves (each row's loads in one round, the rows side by side); above that, a CTA per
+// slot that loops over the rows (mhc_collapse_loop_kernel). Both give the same bits. With
+// a.exit_barrier (TP) one more CTA than the rows need: it does the exit barrier alone.
 
 // One of a kernel's five instantiations by kV, the 16-byte vectors per collapse thread (kV * 224 >=
 // D / 8); null past D = 8192 (the ops check D first).
@@ -124,9 +139,8 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   const int num_tiles = (T + kTileTokens - 1) / kTileTokens;
   a.slices = row_slices(D);
   a.groups = max_ctas / a.slices < 1 ? 1 : max_ctas / a.slices < num_tiles ? max_ctas / a.slices : num_tiles;
-  // Decode sizes: one CTA per 8 fn rows when every (tile, slice, part) has an SM to itself. Split
-  // at two CTAs per SM, it was 1-23% slower than unsplit (T = 64 at D = 4096, T = 32 at D = 7168;
-  // TP boundary 19.8 against 16.1 us, bench/results/ab_parts_2026-11-30.txt); at one per SM it gains.
+  // Decode sizes: one CTA per 8 fn rows when every (tile, slice, part) has an SM to itself (split
+  // at two CTAs per SM, it is slower than unsplit).
   constexpr int kParts = FnRows<kHead>::kRows / 8;
   a.parts = kPre && kParts > 1 && (long)num_tiles * a.slices * kParts <= max_ctas / kRowsCtasPerSm ? kParts : 1;
   a.exit_barrier = kSrc == YSrc::kPeers && kPre && !kGather;
@@ -143,8 +157,8 @@ inline cudaError_t launch_mhc(TileArgs a, int max_ctas, cudaStream_t stream) {
   if constexpr (kSrc == YSrc::kNone && !kPost && kPre) {
     // A pre or head without a post, fn staged, one CTA per SM, where a slice has more than
     // kPreTeams tiles per SM of its own: a pre on mhc_rows_fnreg_kernel (one team, fn in
-    // registers, x through a ring; ab_fnreg_2026-11-30), the head on mhc_rows_teams_kernel
-    // (kPreTeams teams on one fn copy in shared memory; ab_cpx_2026-11-30). A CTA per (slice, tile
+    // registers, x through a ring), the head on mhc_rows_teams_kernel (kPreTeams teams on one fn
+    // copy in shared memory). A CTA per (slice, tile
     // set) leaves SMs mod S idle; where that is worth it (even_split), a pre's pass 1 runs on
     // every SM (a.groups = 0: the others take the slices' tails, mhc_rows_fnreg_kernel).
     constexpr int kTeams = kHead ? kPreTeams : 1;

@@ -191,7 +191,7 @@ Tensor mhc_post_ar_cuda(const Tensor& partial, const Tensor& stream, const Tenso
   const c10::cuda::CUDAGuard guard(stream.device());
   if (!c.lsa) return mhc_post_cuda(nccl_reduce(c, partial, stream.size(0), false), stream, post_mix, res_mix);
   Tensor new_stream = at::empty_like(stream);
-  if (stream.size(0) <= c.push_rows) {  // decode sizes: pushed (PushArgs in mhc_tile.cuh)
+  if (stream.size(0) <= c.push_rows) {  // decode sizes: pushed (PushArgs; protocol in kernels/tp_push.cuh)
     TileArgs a = base_tile_args(stream);
     set_post_args(a, post_mix, res_mix, new_stream);
     set_lsa(a, c, 0);

@@ -1,0 +1,486 @@
+#pragma once
+// Pass 1's tile loop (torch-free), shared by every pass-1 kernel (mhc_pass1.cuh): per 16-token tile
+// of one column slice, A. the post (stream mix with y from its source: local, peers, pushed) and
+// B. a pre's fn · x products and sums of squares into the workspace.
+#include "kernels/fn_source.cuh"
+#include "kernels/tp_push.cuh"
+
+namespace spk {
+
+// kTeams > 1 (mhc_rows_teams_kernel, the head): the CTA is kTeams teams of kThreads threads on one staged fn
+// slice, team k of CTA b acting as CTA ((b / S) * kTeams + k) * S + b % S of the one-team grid; each
+// team has its own reduction buffers and syncs on named barrier 1 + k.
+//
+// kFn == FnSrc::kRegs runs the tiles of `run`; every other kernel CTA (g, s)'s tiles g, g + G, ...
+template <YSrc kSrc, bool kPost, bool kPre, bool kHead, FnSrc kFn, int kTeams = 1>
+__device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run = {}) {
+  constexpr int kRows = FnRows<kHead>::kRows;
+  constexpr int kVals = FnRows<kHead>::kVals;
+  constexpr int kNT = kRows / 8;
+  extern __shared__ __align__(16) uint4 s_fn[];
+  // Warp partial products (in two rounds) and sums of squares, double-buffered by tile parity:
+  // a tile's writes and the previous tile's workspace reads are then apart without a barrier
+  // (A/B on 2xH200 at T = 8192, D = 4096: mhc_pre 240 -> 229 us, TP boundary 448 -> 431).
+  __shared__ float s_red_team[kTeams][2][kWarps / 2][kTileTokens][kRows];
+  __shared__ float s_redsq_team[kTeams][2][kWarps][kTileTokens];
+  __shared__ float s_mixin_team[kTeams][kTileTokens][kMix - kHC];  // incoming post | res of the tile
+  static_assert(kTeams == 1 || (kHead && kFn == FnSrc::kShared), "teams: the staged head");
+  const int team = kTeams == 1 ? 0 : threadIdx.x / kThreads;
+  auto& s_red = s_red_team[team];
+  auto& s_redsq = s_redsq_team[team];
+  auto& s_mixin = s_mixin_team[team];
+  auto team_sync = [&] {
+    if constexpr (kTeams == 1)
+      __syncthreads();
+    else
+      bar_sync(1 + team, kThreads);
+  };
+
+  const int parts = a.parts, part = blockIdx.x % parts;
+  const int cta =
+      kTeams == 1 ? blockIdx.x / parts : ((blockIdx.x / a.slices) * kTeams + team) * a.slices + blockIdx.x % a.slices;
+  constexpr bool kRun = kFn == FnSrc::kRegs;
+  const int S = a.slices, slice = kRun ? run.slice : cta % S;
+  const int tid = kTeams == 1 ? threadIdx.x : threadIdx.x % kThreads;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int D = a.hidden, nvec = D >> 3, T = a.num_tokens;
+  const int v0 = slice * nvec / S, W = (slice + 1) * nvec / S - v0;
+  const int gmax = slice_groups(D, S);
+  const int num_tiles = (T + kTileTokens - 1) / kTileTokens;
+  // The tiles: `run`'s (kRegs), else CTA (g, s)'s, each read where it is used as before the runs
+  // (held in registers, they moved the decode TP boundary's pass 1 to 20 bytes of spills).
+  auto first = [&] {
+    if constexpr (kRun)
+      return run.first;
+    else
+      return cta / S;
+  };
+  auto step = [&] {
+    if constexpr (kRun)
+      return run.step;
+    else
+      return a.groups;
+  };
+  auto tile_end = [&] {
+    if constexpr (kRun)
+      return run.end;
+    else
+      return num_tiles;
+  };
+  const size_t srow = (size_t)kHC * D;
+  const int vec = warp * 4 + t;  // this thread's vector of the slice (per stream)
+  const size_t col = (size_t)(v0 + vec) * 8;
+  // kPushed: this call's slot (the call before incremented `calls` and has completed).
+  const uint32_t pslot = kSrc == YSrc::kPushed ? __ldcg(a.lsa.push.calls) & 1u : 0u;
+
+  // ---- A: every stream load of a tile issued at once; x[h][i] = token g + 8h, stream i. A local
+  // post's y rows go out with them (yr[h]), not after the barrier that stages the tile's mixes:
+  // at decode sizes that was a second HBM round trip per call. Not for a post_pre: its pass 1
+  // has no registers to spare (128 with 4 bytes spilled). Not for a pushed post either: its own
+  // rows there were 10-20% slower at T = 16-32 than loaded after the pushes (`mine` below;
+  // bench/results/ab_yr_2026-11-30.txt).
+  constexpr bool kEarlyY = kPost && !kPre && kSrc == YSrc::kLocal;
+  // kStageX (fn in registers: a pre's mhc_rows_fnreg_kernel): the tile's x comes by 16-byte
+  // cp.async through a ring of kFnRegRing tiles in shared memory, this thread's own 8 slots per
+  // tile (slot k of thread t at k * kThreads + t: no bank conflicts). A tile's copies are issued
+  // right after the mma of the tile kFnRegRing before it has read that slot, and are one commit
+  // group (an empty one past the last tile), so tile j waits with wait_group<kFnRegRing - 1>. No L2
+  // prefetch: the copy is the only read, so each byte crosses the L2 partitions' fabric once.
+  // With the fragments in registers, pass 1 no longer fills the shared-memory pipe with their
+  // 98 KB of loads per tile at D = 7168 (ncu_d7168_cpx_2026-11-30): mhc_pre 3-7% faster than the
+  // teams kernel's one stage (ab_fnreg_2026-11-30). Only a pre's: the local post_pre and the fused
+  // boundaries so (their old stream and y through the ring, one CTA per SM) were 6-49% slower.
+  constexpr int kRing = kFn == FnSrc::kRegs ? kFnRegRing : 0;
+  constexpr bool kStageX = kRing > 0;
+  static_assert(!kStageX || (kSrc == YSrc::kNone && !kPost && !kHead), "the ring: a pre's x");
+  uint4* const x_stage = s_fn;                 // mhc_rows_fnreg_kernel's dynamic shared memory is the ring
+  auto issue_tile = [&](int tile, int slot) {  // and commit; only the commit past the last tile
+    if (tile < tile_end()) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = tile * kTileTokens + g + 8 * h;
+        const bool valid = vec < W && row < T;
+#pragma unroll
+        for (int i = 0; i < kHC; ++i)
+          cp_async16(x_stage + ((slot * 2 + h) * kHC + i) * kThreads + tid,
+                     valid ? a.stream + row * srow + (size_t)i * D + col : a.stream, valid ? 16 : 0);
+      }
+    }
+    cp_async_commit();
+  };
+  uint4 x[2][kHC], yr[2];
+  auto load_tile = [&](int row_base, int slot) {
+    if constexpr (kStageX) {
+      cp_async_wait<kRing - 1>();
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int i = 0; i < kHC; ++i) x[h][i] = x_stage[((slot * 2 + h) * kHC + i) * kThreads + tid];
+      return;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row_base + g + 8 * h;
+      const bool valid = vec < W && row < T;
+#pragma unroll
+      for (int i = 0; i < kHC; ++i)
+        x[h][i] = valid ? *reinterpret_cast<const uint4*>(a.stream + row * srow + (size_t)i * D + col)
+                        : make_uint4(0, 0, 0, 0);
+      if constexpr (kEarlyY)
+        yr[h] = valid ? *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  // The head reads x only in the mma phase: the next tile's loads go out right after it, into the
+  // same registers, and are in flight through this tile's CTA sums and workspace stores (A/B on
+  // 2xH200, T = 8192: mhc_head 173 -> 161 us; the same for mhc_pre and mhc_pre_ag was 4-6 %
+  // slower than their L2 prefetch below, so they keep it). The local post_pre too, keeping the
+  // prefetch: its x is dead once the mma has read the new stream, so the next tile's old stream
+  // loads there (`mhc_post_pre` T >= 1024 1-10% faster, most at T = 16384; without the stream's
+  // prefetch 8-11% slower than before: bench/results/ab_pipepp_2026-12-01.txt). The fused
+  // post_pres (kPeers) are not measured so yet (runbook 22).
+  static_assert(!(kHead && kPost), "the head is a pre without a post");
+  constexpr bool kPipe = kHead || (kPost && kPre && kSrc == YSrc::kLocal);
+  if (kPipe && first() < tile_end()) load_tile(first() * kTileTokens, 0);
+  // A post's incoming mixes (post | res, kMixIn per token). The piped post_pre loads the next
+  // tile's right after the mma (this thread's idx = tid + k * kThreads), and the tile's top only
+  // stores them: level on their own (ab_pipepp), but with them loaded at the top the piped kernel
+  // spilled 16 bytes in its one-tile (FnSrc::kGlobal) form.
+  constexpr int kMixIn = kMix - kHC, kMixPer = (kTileTokens * kMixIn + kThreads - 1) / kThreads;
+  constexpr bool kMixAhead = kPipe && kPost;
+  auto mix_in = [&](int row, int c) {
+    return c < kHC ? a.post_mix_in[row * kHC + c] : a.res_mix_in[row * kHC * kHC + c - kHC];
+  };
+  float mix_next[kMixAhead ? kMixPer : 1];
+  auto load_mix = [&](int row_base, int k) {
+    const int idx = tid + k * kThreads, row = row_base + idx / kMixIn;
+    return idx < kTileTokens * kMixIn && row < T ? mix_in(row, idx % kMixIn) : 0.f;
+  };
+  if constexpr (kMixAhead)
+    if (first() < tile_end())
+#pragma unroll
+      for (int k = 0; k < kMixPer; ++k) mix_next[k] = load_mix(first() * kTileTokens, k);
+  if constexpr (kStageX)
+#pragma unroll
+    for (int r = 0; r < kRing; ++r) issue_tile(first() + r * step(), r);
+  // kRegs: this thread's fn fragments, loaded once (a warp past the slice's columns adds zeros).
+  uint4 fq[kFn == FnSrc::kRegs ? kHC : 1][kNT][2];
+  if constexpr (kFn == FnSrc::kRegs)
+    if (warp < gmax)
+#pragma unroll
+      for (int i = 0; i < kHC; ++i)
+#pragma unroll
+        for (int p = 0; p < kNT; ++p)
+#pragma unroll
+          for (int s = 0; s < 2; ++s) fq[i][p][s] = fn_fragment<kHead>(a, i, p * 8 + g, vec, s, v0, W);
+
+  for (int tile = first(), buf = 0, slot = 0; tile < tile_end();
+       tile += step(), buf ^= 1, slot = slot + 1 < kRing ? slot + 1 : 0) {
+    const int row_base = tile * kTileTokens;
+    if constexpr (!kPipe) load_tile(row_base, slot);
+    // The CTA's next tile into L2 while this one computes: one bulk prefetch per (token, stream)
+    // slice row (and y's), so the next loads wait on L2, not HBM (ncu at T = 8192, D = 4096:
+    // post_pre pass 1 288 -> 262 us, pre 144 -> 139). The ranges are dealt round the warps: the
+    // bulk prefetch takes uniform operands, so a warp runs its lanes' ranges one after another,
+    // and with them on the first threads two warps ran 32 steps while the others waited at the
+    // next barrier (ncu: ~7% of pass 1's stall samples; A/B on 2xH200 at T = 8192, D = 4096:
+    // mhc_pre 231 -> 225 us, post_pre 364 -> 353, SP boundary 347 -> 338).
+    constexpr int kPer = kHC + (kSrc == YSrc::kLocal ? 1 : 0);  // ranges per token: streams, y
+    static_assert(kTileTokens * kPer % kWarps == 0, "whole shares per warp");
+    if (const int next = row_base + step() * kTileTokens;
+        kPre && !kHead && !kStageX && next < T && lane < kTileTokens * kPer / kWarps) {
+      const int k = lane * kWarps + warp, row = next + k / kPer, i = k % kPer;
+      if (row < T && i < kHC)
+        prefetch_l2(a.stream + row * srow + (size_t)i * D + (size_t)v0 * 8, W * 16);
+      else if (row < T)
+        prefetch_l2(a.y + (size_t)row * D + (size_t)v0 * 8, W * 16);
+    }
+    // The previous tile's readers of s_mixin are done: a post alone has no later barrier; with a
+    // pre they read before its sums' barriers (and s_red is the other buffer).
+    if constexpr (!kPre) team_sync();
+    if constexpr (kPost) {
+      // kPushed: this rank's vector `v` of row `row` in `sender`'s place of a push region (PushArgs).
+      auto push_off = [&](int sender, int row, int v) {
+        return a.lsa.push.offset +
+               ((((size_t)pslot * a.lsa.world + sender) * a.lsa.push.rows + row) * D + (size_t)(v0 + v) * 8) * 2;
+      };
+      uint4 mine[2];                          // kPushed: this rank's own partial vectors of tokens g and g + 8
+      if constexpr (kSrc == YSrc::kPushed) {  // the rows out first, before the mixes' barrier
+        // The (tile, slice)'s rows of this rank's partial into every peer's push region, a warp
+        // per run of 32 vectors of a row: whole 128-byte lines over NVLink, where the tile layout
+        // would store 64-byte pieces of 8 rows.
+        const int rows = min(kTileTokens, T - row_base);
+        for (int i = tid; i < rows * W; i += kThreads) {
+          const int row = row_base + i / W, v = i % W;
+          uint4 y = *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + (size_t)(v0 + v) * 8);
+          y = make_uint4(no_neg_zero(y.x), no_neg_zero(y.y), no_neg_zero(y.z), no_neg_zero(y.w));
+          for (int k = 0; k < a.lsa.world - 1; ++k)
+            *static_cast<uint4*>(ncclGetLsaPointer(a.lsa.window, push_off(a.lsa.rank, row, v), k + (k >= a.lsa.rank))) =
+                y;
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = row_base + g + 8 * h;
+          mine[h] = vec < W && row < T ? *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col)
+                                       : make_uint4(0, 0, 0, 0);
+        }
+      }
+      if constexpr (kMixAhead) {
+#pragma unroll
+        for (int k = 0; k < kMixPer; ++k)
+          if (const int idx = tid + k * kThreads; idx < kTileTokens * kMixIn)
+            s_mixin[idx / kMixIn][idx % kMixIn] = mix_next[k];
+      } else {  // the strided loop as before: through load_mix, the fused posts' registers moved
+        for (int idx = tid; idx < kTileTokens * kMixIn; idx += kThreads) {
+          const int tok = idx / kMixIn, c = idx % kMixIn, row = row_base + tok;
+          s_mixin[tok][c] = row < T ? mix_in(row, c) : 0.f;
+        }
+      }
+      team_sync();
+      // y of token g + 8h in bf16 (the peers' partials summed in rank order 0..tp-1, the same
+      // order on every rank, and rounded like the reference reduction); zeros outside the tile.
+      auto fetch_y = [&](int h) {
+        const int row = row_base + g + 8 * h;
+        uint4 y = make_uint4(0, 0, 0, 0);
+        if (vec < W && row < T) {
+          if constexpr (kSrc == YSrc::kPeers) {
+            const size_t off = a.lsa.partial_offset + ((size_t)(a.lsa.partial_row0 + row) * D + col) * 2;
+            float yv[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            // Four peers' loads in flight at a time (fewer registers than all kMaxPeers).
+#pragma unroll
+            for (int p0 = 0; p0 < kMaxPeers; p0 += 4) {
+              if (p0 >= a.lsa.world) break;
+              uint4 pv[4];
+#pragma unroll
+              for (int k = 0; k < 4; ++k)
+                if (p0 + k < a.lsa.world)
+                  pv[k] = *reinterpret_cast<const uint4*>(ncclGetLsaPointer(a.lsa.window, off, p0 + k));
+#pragma unroll
+              for (int k = 0; k < 4; ++k) {
+                if (p0 + k >= a.lsa.world) break;
+                float f[8];
+                bf16x8_to_float(pv[k], f);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) yv[e] += f[e];
+              }
+            }
+            y = float_to_bf16x8(yv);
+          } else if constexpr (kSrc == YSrc::kPushed) {
+            float yv[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            // Four peers' polls in flight at a time, as kPeers' loads.
+#pragma unroll
+            for (int p0 = 0; p0 < kMaxPeers; p0 += 4) {
+              if (p0 >= a.lsa.world) break;
+              const uint4* src[4];
+              uint4 pv[4];
+#pragma unroll
+              for (int k = 0; k < 4; ++k) {
+                const int p = p0 + k;
+                if (p < a.lsa.world && p != a.lsa.rank) {
+                  src[k] =
+                      static_cast<const uint4*>(ncclGetLsaPointer(a.lsa.window, push_off(p, row, vec), a.lsa.rank));
+                  pv[k] = ld_volatile(src[k]);
+                }
+              }
+#pragma unroll
+              for (int k = 0; k < 4; ++k) {
+                const int p = p0 + k;
+                if (p >= a.lsa.world) break;
+                if (p == a.lsa.rank) {
+                  pv[k] = mine[h];
+                } else {
+                  if (has_sentinel(pv[k]))
+                    spin_until([&] { return !has_sentinel(pv[k] = ld_volatile(src[k])); }, a.lsa.barrier, blockIdx.x, p,
+                               BarrierSite::kPushedRows);
+                  *const_cast<uint4*>(src[k]) =  // the vector's only reader: clear it now (PushArgs)
+                      make_uint4(kPushSentinel, kPushSentinel, kPushSentinel, kPushSentinel);
+                }
+                float f[8];
+                bf16x8_to_float(pv[k], f);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) yv[e] += f[e];
+              }
+            }
+            y = float_to_bf16x8(yv);
+          } else if constexpr (kEarlyY) {
+            y = yr[h];
+          } else {
+            y = *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col);
+          }
+        }
+        return y;
+      };
+      // Token g + 8's y is fetched before token g's stores: a store may alias y, so the compiler
+      // keeps a later load after it, and token g + 8's loads waited for them (one more round trip
+      // from T = 9 on, over NVLink for the peers' partials). Where registers allow, both before
+      // token g's mix; a local post_pre only after it (16 bytes spilled otherwise).
+      constexpr bool kYFirst = kSrc == YSrc::kPeers || kSrc == YSrc::kPushed || kEarlyY;
+      uint4 yb[2];
+      yb[0] = fetch_y(0);
+      if constexpr (kYFirst) yb[1] = fetch_y(1);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int tok = g + 8 * h, row = row_base + tok;
+        const bool valid = vec < W && row < T;
+        float yv[8];
+        bf16x8_to_float(yb[h], yv);
+        float xf[kHC][8];
+#pragma unroll
+        for (int i = 0; i < kHC; ++i) bf16x8_to_float(x[h][i], xf[i]);
+#pragma unroll
+        for (int j = 0; j < kHC; ++j) x[h][j] = post_mix_vector(s_mixin[tok], xf, yv, j);
+        if constexpr (!kYFirst)
+          if (h == 0) yb[1] = fetch_y(1);
+        if (valid && part == 0)
+#pragma unroll
+          for (int j = 0; j < kHC; ++j)
+            *reinterpret_cast<uint4*>(a.new_stream + row * srow + (size_t)j * D + col) = x[h][j];
+      }
+    }
+
+    if constexpr (kPre) {
+      // ---- B: m = fn · x on tensor cores and sum x^2, reduced warp -> CTA in a fixed order.
+      // x is the mma's B operand (n = token): each 16-byte stream load is two k-steps' B fragments
+      // as loaded, (x.x, x.y) and (x.z, x.w), with no register moves (as the A operand, each
+      // fragment took 4 moves from two tokens' loads: ~150 of pass 1's ~600 instructions per warp
+      // and tile, ncu at 2be9a11). fn is A: m-tile p holds fn rows 8p..8p+7, hi in its rows 0..7
+      // and lo in 8..15, so acc[p][h] = {hi, hi, lo, lo} sums of row 8p + g for tokens 8h + 2t,
+      // 8h + 2t + 1, and m = hi + lo once every k-step is in.
+      // The sums of squares on the tensor cores too: m16n8k8 with A = (x.x, x.y) and B = x.x gives
+      // D[g][g] = token g's x.x · x.x (rows g + 8 and the other columns are cross products, unused),
+      // B = x.y gives D[g + 8][g] = x.y · x.y: bf16 products are exact in fp32, so this is the
+      // sum of a loop of FFMAs in another order, for 32 mma per warp and tile instead of ~130
+      // conversions and FFMAs.
+      // sq[h]: this warp's sum of squares of token 8h + g in thread (g, g / 2), from D[g][g] (sqa: c0 /
+      // c1) and D[g + 8][g] (sqb: c2 / c3).
+      float sq[2] = {0.f, 0.f};
+      auto diagonal = [&](const float(&sqa)[2][4], const float(&sqb)[2][4]) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) sq[h] = g & 1 ? sqa[h][1] + sqb[h][3] : sqa[h][0] + sqb[h][2];
+      };
+      // m = hi + lo: v[p][h][e] is row 8 (p + p0) + g, token 8h + 2t + e; at decode a CTA has its
+      // part's m-tile only, in v[0].
+      const int p0 = kFn == FnSrc::kParts ? part : 0;
+      constexpr int np = kFn == FnSrc::kParts ? 1 : kNT;
+      float v[kNT][2][2];
+      auto fold = [&](const float(&c)[2][4], int p) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          v[p][h][0] = c[h][0] + c[h][2];
+          v[p][h][1] = c[h][1] + c[h][3];
+        }
+      };
+      auto squares = [](float(&sqa)[4], float(&sqb)[4], const uint4& v) {
+        mma_bf16_1688(sqa, v.x, v.y, v.x);
+        mma_bf16_1688(sqb, v.x, v.y, v.y);
+        mma_bf16_1688(sqa, v.z, v.w, v.z);
+        mma_bf16_1688(sqb, v.z, v.w, v.w);
+      };
+      auto products = [&](float(&c)[2][4], const uint4& q0, const uint4& q1, int i) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          mma_bf16_16816(c[h], q0.x, q0.y, q0.z, q0.w, x[h][i].x, x[h][i].y);
+          mma_bf16_16816(c[h], q1.x, q1.y, q1.z, q1.w, x[h][i].z, x[h][i].w);
+        }
+      };
+      static_assert(kFn != FnSrc::kParts || kNT > 1, "parts split the fn rows");
+      if (warp >= gmax) {  // warp-uniform: a warp past the slice's columns adds zeros
+        const float zero[2][4] = {};
+#pragma unroll
+        for (int p = 0; p < np; ++p) fold(zero, p);
+      } else if constexpr (kFn == FnSrc::kParts) {  // decode: this CTA's 8 fn rows (m-tile `part`)
+        uint4 q[kHC][2];                            // every fragment in flight at once
+#pragma unroll
+        for (int i = 0; i < kHC; ++i)
+#pragma unroll
+          for (int s = 0; s < 2; ++s) q[i][s] = fn_fragment<kHead>(a, i, part * 8 + g, vec, s, v0, W);
+        float acc[2][4] = {}, sqa[2][4] = {}, sqb[2][4] = {};
+#pragma unroll
+        for (int i = 0; i < kHC; ++i) products(acc, q[i][0], q[i][1], i);  // the same mma order as below
+        fold(acc, 0);
+#pragma unroll
+        for (int i = 0; i < kHC; ++i)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) squares(sqa[h], sqb[h], x[h][i]);
+        diagonal(sqa, sqb);
+      } else {
+        float acc[kNT][2][4] = {}, sqa[2][4] = {}, sqb[2][4] = {};
+#pragma unroll
+        for (int i = 0; i < kHC; ++i) {
+#pragma unroll
+          for (int p = 0; p < kNT; ++p) {
+            uint4 q[2];
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+              if constexpr (kFn == FnSrc::kShared)
+                q[s] = s_fn[(((i * gmax + warp) * 2 + s) * kRows + p * 8 + g) * 4 + t];
+              else if constexpr (kFn == FnSrc::kRegs)
+                q[s] = fq[i][p][s];
+              else
+                q[s] = fn_fragment<kHead>(a, i, p * 8 + g, vec, s, v0, W);
+            }
+            products(acc[p], q[0], q[1], i);
+          }
+#pragma unroll
+          for (int h = 0; h < 2; ++h) squares(sqa[h], sqb[h], x[h][i]);
+        }
+#pragma unroll
+        for (int p = 0; p < kNT; ++p) fold(acc[p], p);
+        diagonal(sqa, sqb);
+      }
+      if constexpr (kPipe)
+        if (tile + step() < tile_end()) load_tile(row_base + step() * kTileTokens, 0);
+      if constexpr (kStageX)  // every mma has read its x from the registers: the slot is free
+        issue_tile(tile + kRing * step(), slot);
+      if constexpr (kMixAhead)
+        if (tile + step() < tile_end())
+#pragma unroll
+          for (int k = 0; k < kMixPer; ++k) mix_next[k] = load_mix(row_base + step() * kTileTokens, k);
+      // Warps 4..7 write, then warps 0..3 add: half the buffer. Then warp w < kNT completes rows
+      // 8w..8w+7 (0 + p0 + p1 + p2 + p3, p_w = a_{w+4} + a_w) in its own mma layout and warp kNT
+      // the sums of squares: ~40 instructions on 4 warps per tile where a loop over the 400 values
+      // on all 8 warps took ~130 each (SASS of 3ab923e).
+      if (warp >= kWarps / 2) {
+#pragma unroll
+        for (int p = 0; p < np; ++p) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) s_red[buf][warp - kWarps / 2][8 * h + 2 * t + e][(p + p0) * 8 + g] = v[p][h][e];
+        }
+      }
+      if (t == g >> 1) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) s_redsq[buf][warp][8 * h + g] = sq[h];
+      }
+      team_sync();
+      if (warp < kWarps / 2) {
+#pragma unroll
+        for (int p = 0; p < np; ++p) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) s_red[buf][warp][8 * h + 2 * t + e][(p + p0) * 8 + g] += v[p][h][e];
+        }
+      }
+      team_sync();
+      static_assert(kNT < kWarps, "a warp per m-tile and one for the squares");
+      if (warp < kNT && (parts == 1 || warp == part)) {  // warp-uniform; decode: this part's m-tile
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = 8 * (e >> 1) + 2 * t + (e & 1), n = warp * 8 + g, row = row_base + tok;
+          float v = 0.f;
+#pragma unroll
+          for (int w = 0; w < kWarps / 2; ++w) v += s_red[buf][w][tok][n];
+          if (row < T) a.ws[((size_t)row * S + slice) * kVals + n] = v;
+        }
+      } else if (const int row = row_base + lane; warp == kNT && lane < kTileTokens && row < T && part == 0) {
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) v += s_redsq[buf][w][lane];
+        a.ws[((size_t)row * S + slice) * kVals + kRows] = v;
+      }
+    }
+  }
+}
+
+}  // namespace spk
