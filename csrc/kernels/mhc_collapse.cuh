@@ -116,7 +116,7 @@ __device__ __forceinline__ bool collapse_prologue(const TileArgs& a) {
 // region (its layer_input layout), where the peer's copy-in kernel finds it. Plain (weak) remote
 // stores: the copy-in barrier publishes them after this kernel completes ((A) in lsa_gather.cuh).
 // Unrolled over kMaxPeers, so the pointers stay in registers; kLazy (the loop kernel, where 7
-// pointers held through the collapse spilled 48 bytes at D = 7168): each store asks the window.
+// pointers held through the collapse spill at large D): each store asks the window.
 template <bool kGather, bool kLazy = false>
 struct RowOut {
   uint4* out;
@@ -194,9 +194,8 @@ __device__ __forceinline__ uint4 norm_vec(const uint4& yb, const uint4& nwb, flo
 }
 
 // Pass 2's order: block i of n collapses block i, or for a pre without a post block n - 1 - i (the
-// last rows first: pass 1 read the last tiles last, and their stream is still in L2; A/B in
-// bench/NOTES.md: mhc_pre T = 2048-16384 0 to -6%; for a post_pre, which reads pass 1's new
-// stream, it was mixed, +7% at T = 16384). i >= n (the TP exit-barrier CTA) maps to itself.
+// last rows first: pass 1 read the last tiles last, and their stream is still in L2; not for a
+// post_pre, which reads pass 1's new stream). i >= n (the TP exit-barrier CTA) maps to itself.
 __device__ __forceinline__ int collapse_block(const TileArgs& a, int i, int n) {
   return a.new_stream == nullptr && i < n ? n - 1 - i : i;
 }
@@ -205,7 +204,7 @@ __device__ __forceinline__ int collapse_block(const TileArgs& a, int i, int n) {
 // t + 224 m): y = sum_i w_i x_i, the fused norm's sum through s_sq in a fixed order (per-
 // vector sums, lane v % 32 partials in increasing v, the xor butterfly; named barrier kBarNorm), and
 // the stores. nw: the norm weight's vectors, or null to load them only here (the loop kernel: live
-// through the collapse, they spilled at D = 7168; an L1 hit after its first row).
+// through the collapse, they spill at large D; an L1 hit after its first row).
 template <bool kGather, int kV, bool kLazy = false>
 __device__ __forceinline__ void collapse_store(const TileArgs& a, int row, const float (&w)[kHC],
                                                const uint4 (&x)[kV][kHC], bool norm, const uint4* nw, float* s_sq,

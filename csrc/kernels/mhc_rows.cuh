@@ -19,8 +19,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
   constexpr int kNT = kRows / 8;
   extern __shared__ __align__(16) uint4 s_fn[];
   // Warp partial products (in two rounds) and sums of squares, double-buffered by tile parity:
-  // a tile's writes and the previous tile's workspace reads are then apart without a barrier
-  // (A/B on 2xH200 at T = 8192, D = 4096: mhc_pre 240 -> 229 us, TP boundary 448 -> 431).
+  // a tile's writes and the previous tile's workspace reads are then apart without a barrier.
   __shared__ float s_red_team[kTeams][2][kWarps / 2][kTileTokens][kRows];
   __shared__ float s_redsq_team[kTeams][2][kWarps][kTileTokens];
   __shared__ float s_mixin_team[kTeams][kTileTokens][kMix - kHC];  // incoming post | res of the tile
@@ -47,8 +46,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
   const int v0 = slice * nvec / S, W = (slice + 1) * nvec / S - v0;
   const int gmax = slice_groups(D, S);
   const int num_tiles = (T + kTileTokens - 1) / kTileTokens;
-  // The tiles: `run`'s (kRegs), else CTA (g, s)'s, each read where it is used as before the runs
-  // (held in registers, they moved the decode TP boundary's pass 1 to 20 bytes of spills).
+  // The tiles: `run`'s (kRegs), else CTA (g, s)'s, each read where it is used (held in registers
+  // through the loop, they cost the fused post_pre's pass 1 spills).
   auto first = [&] {
     if constexpr (kRun)
       return run.first;
@@ -76,9 +75,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
   // ---- A: every stream load of a tile issued at once; x[h][i] = token g + 8h, stream i. A local
   // post's y rows go out with them (yr[h]), not after the barrier that stages the tile's mixes:
   // at decode sizes that was a second HBM round trip per call. Not for a post_pre: its pass 1
-  // has no registers to spare (128 with 4 bytes spilled). Not for a pushed post either: its own
-  // rows there were 10-20% slower at T = 16-32 than loaded after the pushes (`mine` below;
-  // bench/results/ab_yr_2026-11-30.txt).
+  // has no registers to spare. Not for a pushed post either: its own rows there are slower than
+  // loaded after the pushes (`mine` below).
   constexpr bool kEarlyY = kPost && !kPre && kSrc == YSrc::kLocal;
   // kStageX (fn in registers: a pre's mhc_rows_fnreg_kernel): the tile's x comes by 16-byte
   // cp.async through a ring of kFnRegRing tiles in shared memory, this thread's own 8 slots per
@@ -87,9 +85,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
   // group (an empty one past the last tile), so tile j waits with wait_group<kFnRegRing - 1>. No L2
   // prefetch: the copy is the only read, so each byte crosses the L2 partitions' fabric once.
   // With the fragments in registers, pass 1 no longer fills the shared-memory pipe with their
-  // 98 KB of loads per tile at D = 7168 (ncu_d7168_cpx_2026-11-30): mhc_pre 3-7% faster than the
-  // teams kernel's one stage (ab_fnreg_2026-11-30). Only a pre's: the local post_pre and the fused
-  // boundaries so (their old stream and y through the ring, one CTA per SM) were 6-49% slower.
+  // loads every tile. Only a pre's: the local post_pre and the fused boundaries so (their old
+  // stream and y through the ring, one CTA per SM) are slower.
   constexpr int kRing = kFn == FnSrc::kRegs ? kFnRegRing : 0;
   constexpr bool kStageX = kRing > 0;
   static_assert(!kStageX || (kSrc == YSrc::kNone && !kPost && !kHead), "the ring: a pre's x");
@@ -131,20 +128,16 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
     }
   };
   // The head reads x only in the mma phase: the next tile's loads go out right after it, into the
-  // same registers, and are in flight through this tile's CTA sums and workspace stores (A/B on
-  // 2xH200, T = 8192: mhc_head 173 -> 161 us; the same for mhc_pre and mhc_pre_ag was 4-6 %
-  // slower than their L2 prefetch below, so they keep it). The local post_pre too, keeping the
-  // prefetch: its x is dead once the mma has read the new stream, so the next tile's old stream
-  // loads there (`mhc_post_pre` T >= 1024 1-10% faster, most at T = 16384; without the stream's
-  // prefetch 8-11% slower than before: bench/results/ab_pipepp_2026-12-01.txt). The fused
-  // post_pres (kPeers) are not measured so yet (runbook 22).
+  // same registers, and are in flight through this tile's CTA sums and workspace stores (mhc_pre
+  // and mhc_pre_ag are faster with their L2 prefetch below, so they keep it). The local post_pre
+  // too, keeping the prefetch: its x is dead once the mma has read the new stream, so the next
+  // tile's old stream loads there. The fused post_pres (kPeers) are not measured so yet.
   static_assert(!(kHead && kPost), "the head is a pre without a post");
   constexpr bool kPipe = kHead || (kPost && kPre && kSrc == YSrc::kLocal);
   if (kPipe && first() < tile_end()) load_tile(first() * kTileTokens, 0);
   // A post's incoming mixes (post | res, kMixIn per token). The piped post_pre loads the next
   // tile's right after the mma (this thread's idx = tid + k * kThreads), and the tile's top only
-  // stores them: level on their own (ab_pipepp), but with them loaded at the top the piped kernel
-  // spilled 16 bytes in its one-tile (FnSrc::kGlobal) form.
+  // stores them (loaded at the top, the piped kernel's one-tile FnSrc::kGlobal form spills).
   constexpr int kMixIn = kMix - kHC, kMixPer = (kTileTokens * kMixIn + kThreads - 1) / kThreads;
   constexpr bool kMixAhead = kPipe && kPost;
   auto mix_in = [&](int row, int c) {
@@ -178,12 +171,10 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
     const int row_base = tile * kTileTokens;
     if constexpr (!kPipe) load_tile(row_base, slot);
     // The CTA's next tile into L2 while this one computes: one bulk prefetch per (token, stream)
-    // slice row (and y's), so the next loads wait on L2, not HBM (ncu at T = 8192, D = 4096:
-    // post_pre pass 1 288 -> 262 us, pre 144 -> 139). The ranges are dealt round the warps: the
-    // bulk prefetch takes uniform operands, so a warp runs its lanes' ranges one after another,
-    // and with them on the first threads two warps ran 32 steps while the others waited at the
-    // next barrier (ncu: ~7% of pass 1's stall samples; A/B on 2xH200 at T = 8192, D = 4096:
-    // mhc_pre 231 -> 225 us, post_pre 364 -> 353, SP boundary 347 -> 338).
+    // slice row (and y's), so the next loads wait on L2, not HBM. The ranges are dealt round the
+    // warps: the bulk prefetch takes uniform operands, so a warp runs its lanes' ranges one after
+    // another, and with them on the first threads two warps would run 32 steps while the others
+    // wait at the next barrier.
     constexpr int kPer = kHC + (kSrc == YSrc::kLocal ? 1 : 0);  // ranges per token: streams, y
     static_assert(kTileTokens * kPer % kWarps == 0, "whole shares per warp");
     if (const int next = row_base + step() * kTileTokens;
@@ -312,7 +303,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
       // Token g + 8's y is fetched before token g's stores: a store may alias y, so the compiler
       // keeps a later load after it, and token g + 8's loads waited for them (one more round trip
       // from T = 9 on, over NVLink for the peers' partials). Where registers allow, both before
-      // token g's mix; a local post_pre only after it (16 bytes spilled otherwise).
+      // token g's mix; a local post_pre only after it (it spills otherwise).
       constexpr bool kYFirst = kSrc == YSrc::kPeers || kSrc == YSrc::kPushed || kEarlyY;
       uint4 yb[2];
       yb[0] = fetch_y(0);
@@ -341,8 +332,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
       // ---- B: m = fn · x on tensor cores and sum x^2, reduced warp -> CTA in a fixed order.
       // x is the mma's B operand (n = token): each 16-byte stream load is two k-steps' B fragments
       // as loaded, (x.x, x.y) and (x.z, x.w), with no register moves (as the A operand, each
-      // fragment took 4 moves from two tokens' loads: ~150 of pass 1's ~600 instructions per warp
-      // and tile, ncu at 2be9a11). fn is A: m-tile p holds fn rows 8p..8p+7, hi in its rows 0..7
+      // fragment would take 4 moves from two tokens' loads). fn is A: m-tile p holds fn rows
+      // 8p..8p+7, hi in its rows 0..7
       // and lo in 8..15, so acc[p][h] = {hi, hi, lo, lo} sums of row 8p + g for tokens 8h + 2t,
       // 8h + 2t + 1, and m = hi + lo once every k-step is in.
       // The sums of squares on the tensor cores too: m16n8k8 with A = (x.x, x.y) and B = x.x gives
@@ -437,8 +428,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
           for (int k = 0; k < kMixPer; ++k) mix_next[k] = load_mix(row_base + step() * kTileTokens, k);
       // Warps 4..7 write, then warps 0..3 add: half the buffer. Then warp w < kNT completes rows
       // 8w..8w+7 (0 + p0 + p1 + p2 + p3, p_w = a_{w+4} + a_w) in its own mma layout and warp kNT
-      // the sums of squares: ~40 instructions on 4 warps per tile where a loop over the 400 values
-      // on all 8 warps took ~130 each (SASS of 3ab923e).
+      // the sums of squares: a few instructions on 4 warps per tile, where a loop over the 400
+      // values on all 8 warps takes several times more on each.
       if (warp >= kWarps / 2) {
 #pragma unroll
         for (int p = 0; p < np; ++p) {
