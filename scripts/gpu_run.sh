@@ -40,7 +40,8 @@ if want ab; then  # build the other trees in place, beside this tree's build
     (cd "$d" && MAX_JOBS=8 python3 setup.py build_ext --inplace > build.log 2>&1; echo $? > build.rc) &
   done
 fi
-if ! python3 -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+# SPK_BENCH_PROBES=1: with the bench-only link probe (bench/sweep.py's link floors, test_link_probe).
+if ! SPK_BENCH_PROBES=${SPK_BENCH_PROBES:-1} python3 -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
   tail -60 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
 fi
 rm -f "$OUT/build.log"

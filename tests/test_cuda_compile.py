@@ -157,6 +157,14 @@ def test_sass_manifest(manifest):
     assert not fails, "code generation differs from tests/sass_manifest.json:\n" + "\n".join(fails)
 
 
+def test_each_kernel_in_one_unit(manifest):
+    """Every kernel is compiled in one translation unit (csrc/kernels/mhc_kernels.cu for the mHC
+    kernels): a static kernel in a shared header, or a template instantiated by two launchers,
+    would be compiled (and shipped) once per unit."""
+    copies = {name: f["units"] for name, f in manifest.items() if len(f["units"]) > 1}
+    assert not copies, f"kernels compiled in several units: {copies}"
+
+
 def test_no_spills(manifest):
     spills = {name: f["spill_bytes"] for name, f in manifest.items() if f["spill_bytes"]}
     assert spills == KNOWN_SPILLS, f"spills {spills}, known {KNOWN_SPILLS}"

@@ -89,5 +89,4 @@ __device__ __forceinline__ uint4 ld_volatile(const uint4* p) {
   return v;
 }
 
-
 }  // namespace spk

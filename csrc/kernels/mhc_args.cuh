@@ -6,14 +6,9 @@
 
 #include "kernels/lsa_barrier.cuh"
 #include "kernels/mhc_math.cuh"
+#include "kernels/mhc_plan.h"
 
 namespace spk {
-
-// Where a post's y comes from: none (a pre alone), a local tensor, the sum of every peer's partial
-// rows pulled over NVLink after an entry barrier (kPeers), or mhc_post_ar at decode sizes
-// (kPushed): each rank stores its own partial rows into every peer's push region, and a row's
-// reader polls its region until the rows are there (protocol at PushArgs).
-enum class YSrc : int { kNone, kLocal, kPeers, kPushed };
 
 // Where pass 1 of a pre takes its fn fragments, chosen at launch: global memory (one tile per CTA),
 // shared memory (several tiles per CTA: staged once), global memory for one part of 8 fn rows

@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kThreads, kRowsCtasPerSm) mhc_rows_kernel(cons
 // The head with fn staged: kPreTeams teams of kThreads threads per CTA on one fn slice (mhc_rows'
 // kTeams), one CTA per SM: the 16 warps per SM of two one-team CTAs on one 96 KB fn copy. Same
 // tiles, same per-tile code: the same bits.
-static __global__ void __launch_bounds__(kThreads* kPreTeams, 1)
+__global__ void __launch_bounds__(kThreads* kPreTeams, 1)
     mhc_rows_teams_kernel(const __grid_constant__ TileArgs a) {
   pdl_wait();
   pdl_launch_dependents();  // pass 2 (see mhc_rows_kernel)
@@ -80,7 +80,7 @@ static __global__ void __launch_bounds__(kThreads* kPreTeams, 1)
 // M = K * ceil(S * N / gridDim.x) by K (all slices on one window of tiles, as above), and the
 // R = gridDim.x - S * K others split the slices' tails [M, N) slice-major into contiguous runs,
 // reloading fn at a slice change (at most a few runs).
-static __global__ void __launch_bounds__(kThreads, 1) mhc_rows_fnreg_kernel(const __grid_constant__ TileArgs a) {
+__global__ void __launch_bounds__(kThreads, 1) mhc_rows_fnreg_kernel(const __grid_constant__ TileArgs a) {
   pdl_wait();
   pdl_launch_dependents();  // pass 2 (see mhc_rows_kernel)
   gather_push_sync(a);

@@ -11,7 +11,7 @@ namespace spk {
 // 32 lanes work) and stages the mixes behind a CTA barrier. Grid (vector blocks, T); blocks of
 // kPostRowThreads threads spread a decode token over more SMs. Launched as a programmatic
 // dependent of whatever kernel precedes it (pdl.cuh), so its launch overlaps that kernel's teardown.
-static __global__ void __launch_bounds__(kPostRowThreads) mhc_post_row_kernel(const __grid_constant__ TileArgs a) {
+__global__ void __launch_bounds__(kPostRowThreads) mhc_post_row_kernel(const __grid_constant__ TileArgs a) {
   pdl_wait();  // the previous kernel (any: a GEMM, another op) may have written y, the stream, the mixes
   const int row = blockIdx.y, v = blockIdx.x * kPostRowThreads + threadIdx.x;
   if (v >= a.hidden >> 3) return;

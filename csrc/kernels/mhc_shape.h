@@ -48,7 +48,6 @@ SPK_HD inline int slice_groups(int hidden, int slices) {
   return ((nvec + slices - 1) / slices + 3) / 4;  // groups of 4 vectors in the widest slice
 }
 
-
 template <bool kHead>
 SPK_HD inline size_t fn_smem_bytes(int hidden) {
   const int slices = row_slices(hidden);
