@@ -71,8 +71,8 @@ __global__ void __launch_bounds__(kThreads* kPreTeams, 1)
 }
 
 // A pre's (local or SP) tile loop: one team of kThreads threads per CTA, one CTA per SM, each
-// thread's 96 registers of fn fragments loaded once per run, x through mhc_rows' ring. The same fragments in the same mma order: the same bits as the other
-// kernels.
+// thread's 96 registers of fn fragments loaded once per run, x through mhc_rows' ring. The same
+// fragments in the same mma order: the same bits as the other kernels.
 //
 // a.groups > 0: CTA b runs slice b % S's tiles b / S, b / S + G, ... (G = a.groups CTAs per slice;
 // gridDim.x = S * G, SMs mod S idle). a.groups == 0 (even_split): every SM works.

@@ -3,6 +3,7 @@
 // of one column slice, A. the post (stream mix with y from its source: local, peers, pushed) and
 // B. a pre's fn · x products and sums of squares into the workspace.
 #include "kernels/fn_source.cuh"
+#include "kernels/tile_policy.cuh"
 #include "kernels/tp_push.cuh"
 
 namespace spk {
@@ -14,9 +15,8 @@ namespace spk {
 // kFn == FnSrc::kRegs runs the tiles of `run`; every other kernel CTA (g, s)'s tiles g, g + G, ...
 template <YSrc kSrc, bool kPost, bool kPre, bool kHead, FnSrc kFn, int kTeams = 1>
 __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run = {}) {
-  constexpr int kRows = FnRows<kHead>::kRows;
-  constexpr int kVals = FnRows<kHead>::kVals;
-  constexpr int kNT = kRows / 8;
+  using P = TilePolicy<kSrc, kPost, kPre, kHead, kFn>;
+  constexpr int kRows = P::kRows, kVals = P::kVals, kNT = P::kNT;
   extern __shared__ __align__(16) uint4 s_fn[];
   // Warp partial products (in two rounds) and sums of squares, double-buffered by tile parity:
   // a tile's writes and the previous tile's workspace reads are then apart without a barrier.
@@ -38,30 +38,29 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
   const int parts = a.parts, part = blockIdx.x % parts;
   const int cta =
       kTeams == 1 ? blockIdx.x / parts : ((blockIdx.x / a.slices) * kTeams + team) * a.slices + blockIdx.x % a.slices;
-  constexpr bool kRun = kFn == FnSrc::kRegs;
-  const int S = a.slices, slice = kRun ? run.slice : cta % S;
+  const int S = a.slices, slice = P::kRuns ? run.slice : cta % S;
   const int tid = kTeams == 1 ? threadIdx.x : threadIdx.x % kThreads;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int D = a.hidden, nvec = D >> 3, T = a.num_tokens;
   const int v0 = slice * nvec / S, W = (slice + 1) * nvec / S - v0;
   const int gmax = slice_groups(D, S);
   const int num_tiles = (T + kTileTokens - 1) / kTileTokens;
-  // The tiles: `run`'s (kRegs), else CTA (g, s)'s, each read where it is used (held in registers
-  // through the loop, they cost the fused post_pre's pass 1 spills).
+  // The tiles: `run`'s (P::kRuns), else CTA (g, s)'s, each read where it is used (held in
+  // registers through the loop, they cost the fused post_pre's pass 1 spills).
   auto first = [&] {
-    if constexpr (kRun)
+    if constexpr (P::kRuns)
       return run.first;
     else
       return cta / S;
   };
   auto step = [&] {
-    if constexpr (kRun)
+    if constexpr (P::kRuns)
       return run.step;
     else
       return a.groups;
   };
   auto tile_end = [&] {
-    if constexpr (kRun)
+    if constexpr (P::kRuns)
       return run.end;
     else
       return num_tiles;
@@ -72,24 +71,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
   // kPushed: this call's slot (the call before incremented `calls` and has completed).
   const uint32_t pslot = kSrc == YSrc::kPushed ? __ldcg(a.lsa.push.calls) & 1u : 0u;
 
-  // ---- A: every stream load of a tile issued at once; x[h][i] = token g + 8h, stream i. A local
-  // post's y rows go out with them (yr[h]), not after the barrier that stages the tile's mixes:
-  // at decode sizes that was a second HBM round trip per call. Not for a post_pre: its pass 1
-  // has no registers to spare. Not for a pushed post either: its own rows there are slower than
-  // loaded after the pushes (`mine` below).
-  constexpr bool kEarlyY = kPost && !kPre && kSrc == YSrc::kLocal;
-  // kStageX (fn in registers: a pre's mhc_rows_fnreg_kernel): the tile's x comes by 16-byte
-  // cp.async through a ring of kFnRegRing tiles in shared memory, this thread's own 8 slots per
-  // tile (slot k of thread t at k * kThreads + t: no bank conflicts). A tile's copies are issued
-  // right after the mma of the tile kFnRegRing before it has read that slot, and are one commit
-  // group (an empty one past the last tile), so tile j waits with wait_group<kFnRegRing - 1>. No L2
-  // prefetch: the copy is the only read, so each byte crosses the L2 partitions' fabric once.
-  // With the fragments in registers, pass 1 no longer fills the shared-memory pipe with their
-  // loads every tile. Only a pre's: the local post_pre and the fused boundaries so (their old
-  // stream and y through the ring, one CTA per SM) are slower.
-  constexpr int kRing = kFn == FnSrc::kRegs ? kFnRegRing : 0;
-  constexpr bool kStageX = kRing > 0;
-  static_assert(!kStageX || (kSrc == YSrc::kNone && !kPost && !kHead), "the ring: a pre's x");
+  // ---- A: every stream load of a tile issued at once; x[h][i] = token g + 8h, stream i (with a
+  // local post's y rows, P::kEarlyY; through the cp.async ring with fn in registers, P::kStageX).
   uint4* const x_stage = s_fn;                 // mhc_rows_fnreg_kernel's dynamic shared memory is the ring
   auto issue_tile = [&](int tile, int slot) {  // and commit; only the commit past the last tile
     if (tile < tile_end()) {
@@ -107,8 +90,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
   };
   uint4 x[2][kHC], yr[2];
   auto load_tile = [&](int row_base, int slot) {
-    if constexpr (kStageX) {
-      cp_async_wait<kRing - 1>();
+    if constexpr (P::kStageX) {
+      cp_async_wait<P::kRing - 1>();
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -123,38 +106,29 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
       for (int i = 0; i < kHC; ++i)
         x[h][i] = valid ? *reinterpret_cast<const uint4*>(a.stream + row * srow + (size_t)i * D + col)
                         : make_uint4(0, 0, 0, 0);
-      if constexpr (kEarlyY)
+      if constexpr (P::kEarlyY)
         yr[h] = valid ? *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col) : make_uint4(0, 0, 0, 0);
     }
   };
-  // The head reads x only in the mma phase: the next tile's loads go out right after it, into the
-  // same registers, and are in flight through this tile's CTA sums and workspace stores (mhc_pre
-  // and mhc_pre_ag are faster with their L2 prefetch below, so they keep it). The local post_pre
-  // too, keeping the prefetch: its x is dead once the mma has read the new stream, so the next
-  // tile's old stream loads there. The fused post_pres (kPeers) are not measured so yet.
-  static_assert(!(kHead && kPost), "the head is a pre without a post");
-  constexpr bool kPipe = kHead || (kPost && kPre && kSrc == YSrc::kLocal);
-  if (kPipe && first() < tile_end()) load_tile(first() * kTileTokens, 0);
-  // A post's incoming mixes (post | res, kMixIn per token). The piped post_pre loads the next
-  // tile's right after the mma (this thread's idx = tid + k * kThreads), and the tile's top only
-  // stores them (loaded at the top, the piped kernel's one-tile FnSrc::kGlobal form spills).
+  if (P::kPipe && first() < tile_end()) load_tile(first() * kTileTokens, 0);
+  // A post's incoming mixes (post | res, kMixIn per token); P::kMixAhead: the next tile's, this
+  // thread's idx = tid + k * kThreads.
   constexpr int kMixIn = kMix - kHC, kMixPer = (kTileTokens * kMixIn + kThreads - 1) / kThreads;
-  constexpr bool kMixAhead = kPipe && kPost;
   auto mix_in = [&](int row, int c) {
     return c < kHC ? a.post_mix_in[row * kHC + c] : a.res_mix_in[row * kHC * kHC + c - kHC];
   };
-  float mix_next[kMixAhead ? kMixPer : 1];
+  float mix_next[P::kMixAhead ? kMixPer : 1];
   auto load_mix = [&](int row_base, int k) {
     const int idx = tid + k * kThreads, row = row_base + idx / kMixIn;
     return idx < kTileTokens * kMixIn && row < T ? mix_in(row, idx % kMixIn) : 0.f;
   };
-  if constexpr (kMixAhead)
+  if constexpr (P::kMixAhead)
     if (first() < tile_end())
 #pragma unroll
       for (int k = 0; k < kMixPer; ++k) mix_next[k] = load_mix(first() * kTileTokens, k);
-  if constexpr (kStageX)
+  if constexpr (P::kStageX)
 #pragma unroll
-    for (int r = 0; r < kRing; ++r) issue_tile(first() + r * step(), r);
+    for (int r = 0; r < P::kRing; ++r) issue_tile(first() + r * step(), r);
   // kRegs: this thread's fn fragments, loaded once (a warp past the slice's columns adds zeros).
   uint4 fq[kFn == FnSrc::kRegs ? kHC : 1][kNT][2];
   if constexpr (kFn == FnSrc::kRegs)
@@ -167,19 +141,15 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
           for (int s = 0; s < 2; ++s) fq[i][p][s] = fn_fragment<kHead>(a, i, p * 8 + g, vec, s, v0, W);
 
   for (int tile = first(), buf = 0, slot = 0; tile < tile_end();
-       tile += step(), buf ^= 1, slot = slot + 1 < kRing ? slot + 1 : 0) {
+       tile += step(), buf ^= 1, slot = slot + 1 < P::kRing ? slot + 1 : 0) {
     const int row_base = tile * kTileTokens;
-    if constexpr (!kPipe) load_tile(row_base, slot);
-    // The CTA's next tile into L2 while this one computes: one bulk prefetch per (token, stream)
-    // slice row (and y's), so the next loads wait on L2, not HBM. The ranges are dealt round the
-    // warps: the bulk prefetch takes uniform operands, so a warp runs its lanes' ranges one after
-    // another, and with them on the first threads two warps would run 32 steps while the others
-    // wait at the next barrier.
-    constexpr int kPer = kHC + (kSrc == YSrc::kLocal ? 1 : 0);  // ranges per token: streams, y
-    static_assert(kTileTokens * kPer % kWarps == 0, "whole shares per warp");
+    if constexpr (!P::kPipe) load_tile(row_base, slot);
+    // The CTA's next tile into L2 while this one computes (P::kPrefetchNext), the ranges dealt
+    // round the warps.
+    static_assert(kTileTokens * P::kPrefetchRanges % kWarps == 0, "whole shares per warp");
     if (const int next = row_base + step() * kTileTokens;
-        kPre && !kHead && !kStageX && next < T && lane < kTileTokens * kPer / kWarps) {
-      const int k = lane * kWarps + warp, row = next + k / kPer, i = k % kPer;
+        P::kPrefetchNext && next < T && lane < kTileTokens * P::kPrefetchRanges / kWarps) {
+      const int k = lane * kWarps + warp, row = next + k / P::kPrefetchRanges, i = k % P::kPrefetchRanges;
       if (row < T && i < kHC)
         prefetch_l2(a.stream + row * srow + (size_t)i * D + (size_t)v0 * 8, W * 16);
       else if (row < T)
@@ -215,7 +185,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
                                        : make_uint4(0, 0, 0, 0);
         }
       }
-      if constexpr (kMixAhead) {
+      if constexpr (P::kMixAhead) {
 #pragma unroll
         for (int k = 0; k < kMixPer; ++k)
           if (const int idx = tid + k * kThreads; idx < kTileTokens * kMixIn)
@@ -292,7 +262,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
               }
             }
             y = float_to_bf16x8(yv);
-          } else if constexpr (kEarlyY) {
+          } else if constexpr (P::kEarlyY) {
             y = yr[h];
           } else {
             y = *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col);
@@ -300,14 +270,10 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
         }
         return y;
       };
-      // Token g + 8's y is fetched before token g's stores: a store may alias y, so the compiler
-      // keeps a later load after it, and token g + 8's loads waited for them (one more round trip
-      // from T = 9 on, over NVLink for the peers' partials). Where registers allow, both before
-      // token g's mix; a local post_pre only after it (it spills otherwise).
-      constexpr bool kYFirst = kSrc == YSrc::kPeers || kSrc == YSrc::kPushed || kEarlyY;
+      // Token g + 8's y before token g's stores where P::kYFirst, else after token g's mix.
       uint4 yb[2];
       yb[0] = fetch_y(0);
-      if constexpr (kYFirst) yb[1] = fetch_y(1);
+      if constexpr (P::kYFirst) yb[1] = fetch_y(1);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int tok = g + 8 * h, row = row_base + tok;
@@ -319,7 +285,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
         for (int i = 0; i < kHC; ++i) bf16x8_to_float(x[h][i], xf[i]);
 #pragma unroll
         for (int j = 0; j < kHC; ++j) x[h][j] = post_mix_vector(s_mixin[tok], xf, yv, j);
-        if constexpr (!kYFirst)
+        if constexpr (!P::kYFirst)
           if (h == 0) yb[1] = fetch_y(1);
         if (valid && part == 0)
 #pragma unroll
@@ -418,11 +384,11 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
         for (int p = 0; p < kNT; ++p) fold(acc[p], p);
         diagonal(sqa, sqb);
       }
-      if constexpr (kPipe)
+      if constexpr (P::kPipe)
         if (tile + step() < tile_end()) load_tile(row_base + step() * kTileTokens, 0);
-      if constexpr (kStageX)  // every mma has read its x from the registers: the slot is free
-        issue_tile(tile + kRing * step(), slot);
-      if constexpr (kMixAhead)
+      if constexpr (P::kStageX)  // every mma has read its x from the registers: the slot is free
+        issue_tile(tile + P::kRing * step(), slot);
+      if constexpr (P::kMixAhead)
         if (tile + step() < tile_end())
 #pragma unroll
           for (int k = 0; k < kMixPer; ++k) mix_next[k] = load_mix(row_base + step() * kTileTokens, k);
