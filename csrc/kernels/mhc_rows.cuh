@@ -4,7 +4,7 @@
 // B. a pre's fn · x products and sums of squares into the workspace.
 #include "kernels/fn_source.cuh"
 #include "kernels/tile_policy.cuh"
-#include "kernels/tp_push.cuh"
+#include "kernels/y_source.cuh"
 
 namespace spk {
 
@@ -96,18 +96,18 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int i = 0; i < kHC; ++i) x[h][i] = x_stage[((slot * 2 + h) * kHC + i) * kThreads + tid];
-      return;
-    }
+    } else {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = row_base + g + 8 * h;
-      const bool valid = vec < W && row < T;
+      for (int h = 0; h < 2; ++h) {
+        const int row = row_base + g + 8 * h;
+        const bool valid = vec < W && row < T;
 #pragma unroll
-      for (int i = 0; i < kHC; ++i)
-        x[h][i] = valid ? *reinterpret_cast<const uint4*>(a.stream + row * srow + (size_t)i * D + col)
-                        : make_uint4(0, 0, 0, 0);
-      if constexpr (P::kEarlyY)
-        yr[h] = valid ? *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col) : make_uint4(0, 0, 0, 0);
+        for (int i = 0; i < kHC; ++i)
+          x[h][i] = valid ? *reinterpret_cast<const uint4*>(a.stream + row * srow + (size_t)i * D + col)
+                          : make_uint4(0, 0, 0, 0);
+        if constexpr (P::kEarlyY)
+          yr[h] = valid ? *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col) : make_uint4(0, 0, 0, 0);
+      }
     }
   };
   if (P::kPipe && first() < tile_end()) load_tile(first() * kTileTokens, 0);
@@ -159,25 +159,13 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
     // pre they read before its sums' barriers (and s_red is the other buffer).
     if constexpr (!kPre) team_sync();
     if constexpr (kPost) {
-      // kPushed: this rank's vector `v` of row `row` in `sender`'s place of a push region (PushArgs).
-      auto push_off = [&](int sender, int row, int v) {
-        return a.lsa.push.offset +
-               ((((size_t)pslot * a.lsa.world + sender) * a.lsa.push.rows + row) * D + (size_t)(v0 + v) * 8) * 2;
-      };
+      const PushSlot push{a, pslot, D, v0};  // kPushed
       uint4 mine[2];                          // kPushed: this rank's own partial vectors of tokens g and g + 8
       if constexpr (kSrc == YSrc::kPushed) {  // the rows out first, before the mixes' barrier
         // The (tile, slice)'s rows of this rank's partial into every peer's push region, a warp
         // per run of 32 vectors of a row: whole 128-byte lines over NVLink, where the tile layout
         // would store 64-byte pieces of 8 rows.
-        const int rows = min(kTileTokens, T - row_base);
-        for (int i = tid; i < rows * W; i += kThreads) {
-          const int row = row_base + i / W, v = i % W;
-          uint4 y = *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + (size_t)(v0 + v) * 8);
-          y = make_uint4(no_neg_zero(y.x), no_neg_zero(y.y), no_neg_zero(y.z), no_neg_zero(y.w));
-          for (int k = 0; k < a.lsa.world - 1; ++k)
-            *static_cast<uint4*>(ncclGetLsaPointer(a.lsa.window, push_off(a.lsa.rank, row, v), k + (k >= a.lsa.rank))) =
-                y;
-        }
+        push_rows(a, push, row_base, min(kTileTokens, T - row_base), W, tid);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = row_base + g + 8 * h;
@@ -197,76 +185,19 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
         }
       }
       team_sync();
-      // y of token g + 8h in bf16 (the peers' partials summed in rank order 0..tp-1, the same
-      // order on every rank, and rounded like the reference reduction); zeros outside the tile.
+      // y of token g + 8h in bf16 from its source (y_source.cuh); zeros outside the tile.
       auto fetch_y = [&](int h) {
         const int row = row_base + g + 8 * h;
         uint4 y = make_uint4(0, 0, 0, 0);
         if (vec < W && row < T) {
-          if constexpr (kSrc == YSrc::kPeers) {
-            const size_t off = a.lsa.partial_offset + ((size_t)(a.lsa.partial_row0 + row) * D + col) * 2;
-            float yv[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            // Four peers' loads in flight at a time (fewer registers than all kMaxPeers).
-#pragma unroll
-            for (int p0 = 0; p0 < kMaxPeers; p0 += 4) {
-              if (p0 >= a.lsa.world) break;
-              uint4 pv[4];
-#pragma unroll
-              for (int k = 0; k < 4; ++k)
-                if (p0 + k < a.lsa.world)
-                  pv[k] = *reinterpret_cast<const uint4*>(ncclGetLsaPointer(a.lsa.window, off, p0 + k));
-#pragma unroll
-              for (int k = 0; k < 4; ++k) {
-                if (p0 + k >= a.lsa.world) break;
-                float f[8];
-                bf16x8_to_float(pv[k], f);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) yv[e] += f[e];
-              }
-            }
-            y = float_to_bf16x8(yv);
-          } else if constexpr (kSrc == YSrc::kPushed) {
-            float yv[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            // Four peers' polls in flight at a time, as kPeers' loads.
-#pragma unroll
-            for (int p0 = 0; p0 < kMaxPeers; p0 += 4) {
-              if (p0 >= a.lsa.world) break;
-              const uint4* src[4];
-              uint4 pv[4];
-#pragma unroll
-              for (int k = 0; k < 4; ++k) {
-                const int p = p0 + k;
-                if (p < a.lsa.world && p != a.lsa.rank) {
-                  src[k] =
-                      static_cast<const uint4*>(ncclGetLsaPointer(a.lsa.window, push_off(p, row, vec), a.lsa.rank));
-                  pv[k] = ld_volatile(src[k]);
-                }
-              }
-#pragma unroll
-              for (int k = 0; k < 4; ++k) {
-                const int p = p0 + k;
-                if (p >= a.lsa.world) break;
-                if (p == a.lsa.rank) {
-                  pv[k] = mine[h];
-                } else {
-                  if (has_sentinel(pv[k]))
-                    spin_until([&] { return !has_sentinel(pv[k] = ld_volatile(src[k])); }, a.lsa.barrier, blockIdx.x, p,
-                               BarrierSite::kPushedRows);
-                  *const_cast<uint4*>(src[k]) =  // the vector's only reader: clear it now (PushArgs)
-                      make_uint4(kPushSentinel, kPushSentinel, kPushSentinel, kPushSentinel);
-                }
-                float f[8];
-                bf16x8_to_float(pv[k], f);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) yv[e] += f[e];
-              }
-            }
-            y = float_to_bf16x8(yv);
-          } else if constexpr (P::kEarlyY) {
+          if constexpr (kSrc == YSrc::kPeers)
+            y = peers_sum(a, row, D, col);
+          else if constexpr (kSrc == YSrc::kPushed)
+            y = pushed_sum(a, push, row, vec, mine[h]);
+          else if constexpr (P::kEarlyY)
             y = yr[h];
-          } else {
+          else
             y = *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col);
-          }
         }
         return y;
       };
