@@ -4,11 +4,11 @@
 // TileArgs and call these.
 //
 // Source map, one hop each: an op's variant (MhcVariant) and its plan are in mhc_plan.h; pass 1's
-// kernels in mhc_pass1.cuh (their tile loop: mhc_rows.cuh; fn's source: fn_source.cuh); pass 2 in
-// mhc_collapse.cuh; mhc_post's decode kernel in mhc_post_row.cuh; the protocols in
-// lsa_barrier.cuh (entry / exit barriers), lsa_gather.cuh (SP gather push + copy-in),
-// lsa_all_gather.cuh (sp_all_gather) and tp_push.cuh (the pushed TP post); the per-token math in
-// mhc_math.cuh.
+// kernels in mhc_pass1.cuh (their tile loop: mhc_rows.cuh, its choices per variant:
+// tile_policy.cuh; fn's source: fn_source.cuh; y's: y_source.cuh); pass 2 in mhc_collapse.cuh;
+// mhc_post's decode kernel in mhc_post_row.cuh; the protocols in lsa_barrier.cuh (entry / exit
+// barriers), lsa_gather.cuh (SP gather push + copy-in), lsa_all_gather.cuh (sp_all_gather) and
+// tp_push.cuh (the pushed TP post); the per-token math in mhc_math.cuh.
 //
 // The mHC kernels behind every op, local or fused with a collective. Two passes:
 //
