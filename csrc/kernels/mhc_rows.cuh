@@ -3,6 +3,7 @@
 // of one column slice, A. the post (stream mix with y from its source: local, peers, pushed) and
 // B. a pre's fn · x products and sums of squares into the workspace.
 #include "kernels/fn_source.cuh"
+#include "kernels/tile_mma.cuh"
 #include "kernels/tile_policy.cuh"
 #include "kernels/y_source.cuh"
 
@@ -159,7 +160,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
     // pre they read before its sums' barriers (and s_red is the other buffer).
     if constexpr (!kPre) team_sync();
     if constexpr (kPost) {
-      const PushSlot push{a, pslot, D, v0};  // kPushed
+      const PushSlot push{a, pslot, D, v0};   // kPushed
       uint4 mine[2];                          // kPushed: this rank's own partial vectors of tokens g and g + 8
       if constexpr (kSrc == YSrc::kPushed) {  // the rows out first, before the mixes' barrier
         // The (tile, slice)'s rows of this rank's partial into every peer's push region, a warp
@@ -226,55 +227,17 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
     }
 
     if constexpr (kPre) {
-      // ---- B: m = fn · x on tensor cores and sum x^2, reduced warp -> CTA in a fixed order.
-      // x is the mma's B operand (n = token): each 16-byte stream load is two k-steps' B fragments
-      // as loaded, (x.x, x.y) and (x.z, x.w), with no register moves (as the A operand, each
-      // fragment would take 4 moves from two tokens' loads). fn is A: m-tile p holds fn rows
-      // 8p..8p+7, hi in its rows 0..7
-      // and lo in 8..15, so acc[p][h] = {hi, hi, lo, lo} sums of row 8p + g for tokens 8h + 2t,
-      // 8h + 2t + 1, and m = hi + lo once every k-step is in.
-      // The sums of squares on the tensor cores too: m16n8k8 with A = (x.x, x.y) and B = x.x gives
-      // D[g][g] = token g's x.x · x.x (rows g + 8 and the other columns are cross products, unused),
-      // B = x.y gives D[g + 8][g] = x.y · x.y: bf16 products are exact in fp32, so this is the
-      // sum of a loop of FFMAs in another order, for 32 mma per warp and tile instead of ~130
-      // conversions and FFMAs.
-      // sq[h]: this warp's sum of squares of token 8h + g in thread (g, g / 2), from D[g][g] (sqa: c0 /
-      // c1) and D[g + 8][g] (sqb: c2 / c3).
+      // ---- B: m = fn · x on tensor cores and sum x^2 (tile_mma.cuh), reduced warp -> CTA in a
+      // fixed order. At decode a CTA has its part's m-tile only, in v[0].
       float sq[2] = {0.f, 0.f};
-      auto diagonal = [&](const float(&sqa)[2][4], const float(&sqb)[2][4]) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) sq[h] = g & 1 ? sqa[h][1] + sqb[h][3] : sqa[h][0] + sqb[h][2];
-      };
-      // m = hi + lo: v[p][h][e] is row 8 (p + p0) + g, token 8h + 2t + e; at decode a CTA has its
-      // part's m-tile only, in v[0].
       const int p0 = kFn == FnSrc::kParts ? part : 0;
       constexpr int np = kFn == FnSrc::kParts ? 1 : kNT;
       float v[kNT][2][2];
-      auto fold = [&](const float(&c)[2][4], int p) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          v[p][h][0] = c[h][0] + c[h][2];
-          v[p][h][1] = c[h][1] + c[h][3];
-        }
-      };
-      auto squares = [](float(&sqa)[4], float(&sqb)[4], const uint4& v) {
-        mma_bf16_1688(sqa, v.x, v.y, v.x);
-        mma_bf16_1688(sqb, v.x, v.y, v.y);
-        mma_bf16_1688(sqa, v.z, v.w, v.z);
-        mma_bf16_1688(sqb, v.z, v.w, v.w);
-      };
-      auto products = [&](float(&c)[2][4], const uint4& q0, const uint4& q1, int i) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          mma_bf16_16816(c[h], q0.x, q0.y, q0.z, q0.w, x[h][i].x, x[h][i].y);
-          mma_bf16_16816(c[h], q1.x, q1.y, q1.z, q1.w, x[h][i].z, x[h][i].w);
-        }
-      };
       static_assert(kFn != FnSrc::kParts || kNT > 1, "parts split the fn rows");
       if (warp >= gmax) {  // warp-uniform: a warp past the slice's columns adds zeros
         const float zero[2][4] = {};
 #pragma unroll
-        for (int p = 0; p < np; ++p) fold(zero, p);
+        for (int p = 0; p < np; ++p) fold_hi_lo(zero, v[p]);
       } else if constexpr (kFn == FnSrc::kParts) {  // decode: this CTA's 8 fn rows (m-tile `part`)
         uint4 q[kHC][2];                            // every fragment in flight at once
 #pragma unroll
@@ -283,13 +246,13 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
           for (int s = 0; s < 2; ++s) q[i][s] = fn_fragment<kHead>(a, i, part * 8 + g, vec, s, v0, W);
         float acc[2][4] = {}, sqa[2][4] = {}, sqb[2][4] = {};
 #pragma unroll
-        for (int i = 0; i < kHC; ++i) products(acc, q[i][0], q[i][1], i);  // the same mma order as below
-        fold(acc, 0);
+        for (int i = 0; i < kHC; ++i) mma_products(acc, q[i][0], q[i][1], x, i);  // the same mma order as below
+        fold_hi_lo(acc, v[0]);
 #pragma unroll
         for (int i = 0; i < kHC; ++i)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) squares(sqa[h], sqb[h], x[h][i]);
-        diagonal(sqa, sqb);
+          for (int h = 0; h < 2; ++h) mma_squares(sqa[h], sqb[h], x[h][i]);
+        diagonal_squares(sqa, sqb, g, sq);
       } else {
         float acc[kNT][2][4] = {}, sqa[2][4] = {}, sqb[2][4] = {};
 #pragma unroll
@@ -306,14 +269,14 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
               else
                 q[s] = fn_fragment<kHead>(a, i, p * 8 + g, vec, s, v0, W);
             }
-            products(acc[p], q[0], q[1], i);
+            mma_products(acc[p], q[0], q[1], x, i);
           }
 #pragma unroll
-          for (int h = 0; h < 2; ++h) squares(sqa[h], sqb[h], x[h][i]);
+          for (int h = 0; h < 2; ++h) mma_squares(sqa[h], sqb[h], x[h][i]);
         }
 #pragma unroll
-        for (int p = 0; p < kNT; ++p) fold(acc[p], p);
-        diagonal(sqa, sqb);
+        for (int p = 0; p < kNT; ++p) fold_hi_lo(acc[p], v[p]);
+        diagonal_squares(sqa, sqb, g, sq);
       }
       if constexpr (P::kPipe)
         if (tile + step() < tile_end()) load_tile(row_base + step() * kTileTokens, 0);
