@@ -69,4 +69,8 @@ struct TileRun {
   int slice, first, step, end;
 };
 
+// Pass 2's named barriers (0 is __syncthreads); kBarFull / kBarEmpty + parity:
+// mhc_collapse_loop_kernel's ring.
+enum : int { kBarCoef = 1, kBarNorm = 2, kBarFull = 3, kBarEmpty = 5 };
+
 }  // namespace spk
