@@ -131,7 +131,8 @@ struct VariantKernels {
             return e;
           if (debug_enabled())
             std::fprintf(stderr, "spkernels: rows kernel T=%d D=%d slices=%d groups=%d parts=%d smem=%zu%s%s\n", T, D,
-                         p.slices, p.groups, p.parts, l.smem, l.variant == (int)FnSrc::kShared ? " (fn staged)" : "",
+                         p.slices, p.groups, p.parts, l.smem,
+                         l.variant == (int)FnSrc::kShared || l.kernel != MhcKernel::kRows ? " (fn staged)" : "",
                          l.kernel == MhcKernel::kRowsFnReg   ? " (fn in registers)"
                          : l.kernel == MhcKernel::kRowsTeams ? " (teams)"
                                                              : "");
