@@ -9,6 +9,21 @@
 
 namespace spk {
 
+// The barrier of a team of kThreads threads: the CTA's when it is one team, else named barrier
+// 1 + team.
+template <int kTeams>
+__device__ __forceinline__ void team_sync(int team) {
+  if constexpr (kTeams == 1)
+    __syncthreads();
+  else
+    bar_sync(1 + team, kThreads);
+}
+
+// A post's incoming mix c of `row`: post_mix_in[row][c] for c < 4, else res_mix_in[row][c - 4].
+__device__ __forceinline__ float incoming_mix(const TileArgs& a, int row, int c) {
+  return c < kHC ? a.post_mix_in[row * kHC + c] : a.res_mix_in[row * kHC * kHC + c - kHC];
+}
+
 // kTeams > 1 (mhc_rows_teams_kernel, the head): the CTA is kTeams teams of kThreads threads on one staged fn
 // slice, team k of CTA b acting as CTA ((b / S) * kTeams + k) * S + b % S of the one-team grid; each
 // team has its own reduction buffers and syncs on named barrier 1 + k.
@@ -29,12 +44,6 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
   auto& s_red = s_red_team[team];
   auto& s_redsq = s_redsq_team[team];
   auto& s_mixin = s_mixin_team[team];
-  auto team_sync = [&] {
-    if constexpr (kTeams == 1)
-      __syncthreads();
-    else
-      bar_sync(1 + team, kThreads);
-  };
 
   const int parts = a.parts, part = blockIdx.x % parts;
   const int cta =
@@ -115,13 +124,10 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
   // A post's incoming mixes (post | res, kMixIn per token); P::kMixAhead: the next tile's, this
   // thread's idx = tid + k * kThreads.
   constexpr int kMixIn = kMix - kHC, kMixPer = (kTileTokens * kMixIn + kThreads - 1) / kThreads;
-  auto mix_in = [&](int row, int c) {
-    return c < kHC ? a.post_mix_in[row * kHC + c] : a.res_mix_in[row * kHC * kHC + c - kHC];
-  };
   float mix_next[P::kMixAhead ? kMixPer : 1];
   auto load_mix = [&](int row_base, int k) {
     const int idx = tid + k * kThreads, row = row_base + idx / kMixIn;
-    return idx < kTileTokens * kMixIn && row < T ? mix_in(row, idx % kMixIn) : 0.f;
+    return idx < kTileTokens * kMixIn && row < T ? incoming_mix(a, row, idx % kMixIn) : 0.f;
   };
   if constexpr (P::kMixAhead)
     if (first() < tile_end())
@@ -158,7 +164,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
     }
     // The previous tile's readers of s_mixin are done: a post alone has no later barrier; with a
     // pre they read before its sums' barriers (and s_red is the other buffer).
-    if constexpr (!kPre) team_sync();
+    if constexpr (!kPre) team_sync<kTeams>(team);
     if constexpr (kPost) {
       const PushSlot push{a, pslot, D, v0};   // kPushed
       uint4 mine[2];                          // kPushed: this rank's own partial vectors of tokens g and g + 8
@@ -182,10 +188,10 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
       } else {  // the strided loop as before: through load_mix, the fused posts' registers moved
         for (int idx = tid; idx < kTileTokens * kMixIn; idx += kThreads) {
           const int tok = idx / kMixIn, c = idx % kMixIn, row = row_base + tok;
-          s_mixin[tok][c] = row < T ? mix_in(row, c) : 0.f;
+          s_mixin[tok][c] = row < T ? incoming_mix(a, row, c) : 0.f;
         }
       }
-      team_sync();
+      team_sync<kTeams>(team);
       // y of token g + 8h in bf16 from its source (y_source.cuh); zeros outside the tile.
       auto fetch_y = [&](int h) {
         const int row = row_base + g + 8 * h;
@@ -303,7 +309,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
 #pragma unroll
         for (int h = 0; h < 2; ++h) s_redsq[buf][warp][8 * h + g] = sq[h];
       }
-      team_sync();
+      team_sync<kTeams>(team);
       if (warp < kWarps / 2) {
 #pragma unroll
         for (int p = 0; p < np; ++p) {
@@ -313,7 +319,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
             for (int e = 0; e < 2; ++e) s_red[buf][warp][8 * h + 2 * t + e][(p + p0) * 8 + g] += v[p][h][e];
         }
       }
-      team_sync();
+      team_sync<kTeams>(team);
       static_assert(kNT < kWarps, "a warp per m-tile and one for the squares");
       if (warp < kNT && (parts == 1 || warp == part)) {  // warp-uniform; decode: this part's m-tile
 #pragma unroll
