@@ -19,6 +19,34 @@ __device__ __forceinline__ void team_sync(int team) {
     bar_sync(1 + team, kThreads);
 }
 
+// The tiles a CTA runs: `run`'s (fn in registers), else CTA (g, s)'s tiles g, g + G, ... below
+// num_tiles; each read where it is used (held in registers through the loop, they cost the fused
+// post_pre's pass 1 spills).
+template <bool kRuns>
+struct Tiles {
+  const TileRun& run;
+  const TileArgs& a;
+  int cta, S, num_tiles;
+  __device__ __forceinline__ int first() const {
+    if constexpr (kRuns)
+      return run.first;
+    else
+      return cta / S;
+  }
+  __device__ __forceinline__ int step() const {
+    if constexpr (kRuns)
+      return run.step;
+    else
+      return a.groups;
+  }
+  __device__ __forceinline__ int end() const {
+    if constexpr (kRuns)
+      return run.end;
+    else
+      return num_tiles;
+  }
+};
+
 // A post's incoming mix c of `row`: post_mix_in[row][c] for c < 4, else res_mix_in[row][c - 4].
 __device__ __forceinline__ float incoming_mix(const TileArgs& a, int row, int c) {
   return c < kHC ? a.post_mix_in[row * kHC + c] : a.res_mix_in[row * kHC * kHC + c - kHC];
@@ -55,26 +83,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
   const int v0 = slice * nvec / S, W = (slice + 1) * nvec / S - v0;
   const int gmax = slice_groups(D, S);
   const int num_tiles = (T + kTileTokens - 1) / kTileTokens;
-  // The tiles: `run`'s (P::kRuns), else CTA (g, s)'s, each read where it is used (held in
-  // registers through the loop, they cost the fused post_pre's pass 1 spills).
-  auto first = [&] {
-    if constexpr (P::kRuns)
-      return run.first;
-    else
-      return cta / S;
-  };
-  auto step = [&] {
-    if constexpr (P::kRuns)
-      return run.step;
-    else
-      return a.groups;
-  };
-  auto tile_end = [&] {
-    if constexpr (P::kRuns)
-      return run.end;
-    else
-      return num_tiles;
-  };
+  const Tiles<P::kRuns> tiles{run, a, cta, S, num_tiles};
   const size_t srow = (size_t)kHC * D;
   const int vec = warp * 4 + t;  // this thread's vector of the slice (per stream)
   const size_t col = (size_t)(v0 + vec) * 8;
@@ -85,7 +94,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
   // local post's y rows, P::kEarlyY; through the cp.async ring with fn in registers, P::kStageX).
   uint4* const x_stage = s_fn;                 // mhc_rows_fnreg_kernel's dynamic shared memory is the ring
   auto issue_tile = [&](int tile, int slot) {  // and commit; only the commit past the last tile
-    if (tile < tile_end()) {
+    if (tile < tiles.end()) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = tile * kTileTokens + g + 8 * h;
@@ -120,7 +129,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
       }
     }
   };
-  if (P::kPipe && first() < tile_end()) load_tile(first() * kTileTokens, 0);
+  if (P::kPipe && tiles.first() < tiles.end()) load_tile(tiles.first() * kTileTokens, 0);
   // A post's incoming mixes (post | res, kMixIn per token); P::kMixAhead: the next tile's, this
   // thread's idx = tid + k * kThreads.
   constexpr int kMixIn = kMix - kHC, kMixPer = (kTileTokens * kMixIn + kThreads - 1) / kThreads;
@@ -130,12 +139,12 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
     return idx < kTileTokens * kMixIn && row < T ? incoming_mix(a, row, idx % kMixIn) : 0.f;
   };
   if constexpr (P::kMixAhead)
-    if (first() < tile_end())
+    if (tiles.first() < tiles.end())
 #pragma unroll
-      for (int k = 0; k < kMixPer; ++k) mix_next[k] = load_mix(first() * kTileTokens, k);
+      for (int k = 0; k < kMixPer; ++k) mix_next[k] = load_mix(tiles.first() * kTileTokens, k);
   if constexpr (P::kStageX)
 #pragma unroll
-    for (int r = 0; r < P::kRing; ++r) issue_tile(first() + r * step(), r);
+    for (int r = 0; r < P::kRing; ++r) issue_tile(tiles.first() + r * tiles.step(), r);
   // kRegs: this thread's fn fragments, loaded once (a warp past the slice's columns adds zeros).
   uint4 fq[kFn == FnSrc::kRegs ? kHC : 1][kNT][2];
   if constexpr (kFn == FnSrc::kRegs)
@@ -147,14 +156,14 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
 #pragma unroll
           for (int s = 0; s < 2; ++s) fq[i][p][s] = fn_fragment<kHead>(a, i, p * 8 + g, vec, s, v0, W);
 
-  for (int tile = first(), buf = 0, slot = 0; tile < tile_end();
-       tile += step(), buf ^= 1, slot = slot + 1 < P::kRing ? slot + 1 : 0) {
+  for (int tile = tiles.first(), buf = 0, slot = 0; tile < tiles.end();
+       tile += tiles.step(), buf ^= 1, slot = slot + 1 < P::kRing ? slot + 1 : 0) {
     const int row_base = tile * kTileTokens;
     if constexpr (!P::kPipe) load_tile(row_base, slot);
     // The CTA's next tile into L2 while this one computes (P::kPrefetchNext), the ranges dealt
     // round the warps.
     static_assert(kTileTokens * P::kPrefetchRanges % kWarps == 0, "whole shares per warp");
-    if (const int next = row_base + step() * kTileTokens;
+    if (const int next = row_base + tiles.step() * kTileTokens;
         P::kPrefetchNext && next < T && lane < kTileTokens * P::kPrefetchRanges / kWarps) {
       const int k = lane * kWarps + warp, row = next + k / P::kPrefetchRanges, i = k % P::kPrefetchRanges;
       if (row < T && i < kHC)
@@ -285,13 +294,13 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
         diagonal_squares(sqa, sqb, g, sq);
       }
       if constexpr (P::kPipe)
-        if (tile + step() < tile_end()) load_tile(row_base + step() * kTileTokens, 0);
+        if (tile + tiles.step() < tiles.end()) load_tile(row_base + tiles.step() * kTileTokens, 0);
       if constexpr (P::kStageX)  // every mma has read its x from the registers: the slot is free
-        issue_tile(tile + P::kRing * step(), slot);
+        issue_tile(tile + P::kRing * tiles.step(), slot);
       if constexpr (P::kMixAhead)
-        if (tile + step() < tile_end())
+        if (tile + tiles.step() < tiles.end())
 #pragma unroll
-          for (int k = 0; k < kMixPer; ++k) mix_next[k] = load_mix(row_base + step() * kTileTokens, k);
+          for (int k = 0; k < kMixPer; ++k) mix_next[k] = load_mix(row_base + tiles.step() * kTileTokens, k);
       // Warps 4..7 write, then warps 0..3 add: half the buffer. Then warp w < kNT completes rows
       // 8w..8w+7 (0 + p0 + p1 + p2 + p3, p_w = a_{w+4} + a_w) in its own mma layout and warp kNT
       // the sums of squares: a few instructions on 4 warps per tile, where a loop over the 400
