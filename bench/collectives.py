@@ -14,7 +14,8 @@ leave out its 16 bytes per token).
 
 Floors. At start: copy_bw = a 1 GiB device copy, bytes read + written / time; link_bw = bytes
 received per rank / time of an all-gather at >= 128 MiB received per rank, the fastest of the LSA
-all-gather kernel alone and its push twin (``_lsa_link_probe``, when the backend is lsa),
+all-gather kernel alone and its push twin (``_lsa_link_probe``, when the backend is lsa and the
+build has it: SPK_BENCH_PROBES=1),
 ``sp_all_gather`` and NCCL's all_gather_into_tensor.
 Per op, with E = 2 bytes (bf16), n = tp, hc = 4, R = D*E (one row), F = 24*4D*4 (fn, fp32), mixes
 80 B read (post+res) and 96 B written (post+res+pre) per token, each input read once and each

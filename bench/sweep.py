@@ -132,15 +132,18 @@ def _probe_tokens(tp: int, D: int) -> int:
 
 def _probe_link(bench: Bench, comm, tp: int, D: int, T: int, device, floors: dict) -> None:
     """Peak link bandwidth: bytes received per rank / time of an all-gather of [T, D] bf16, by the LSA
-    all-gather kernel alone (pull) and its push twin (``_lsa_link_probe``, when the backend is lsa),
+    all-gather kernel alone (pull) and its push twin (``_lsa_link_probe``, when the backend is lsa
+    and the build has it: SPK_BENCH_PROBES=1),
     by ``sp_all_gather`` (that kernel after two local staging copies) and by torch.distributed's
     all-gather."""
     x_local = torch.randn((T // tp, D), device=device).to(torch.bfloat16)
     variants = {}
     if comm.backend == "lsa":
-        probe, block = torch.ops.spkernels._lsa_link_probe, T // tp * D * 2
-        variants["lsa_pull"] = lambda i: probe(comm.handle, block, False)
-        variants["lsa_push"] = lambda i: probe(comm.handle, block, True)
+        # The probe is built only with SPK_BENCH_PROBES=1 (scripts/gpu_run.sh sets it).
+        if hasattr(torch.ops.spkernels, "_lsa_link_probe"):
+            probe, block = torch.ops.spkernels._lsa_link_probe, T // tp * D * 2
+            variants["lsa_pull"] = lambda i: probe(comm.handle, block, False)
+            variants["lsa_push"] = lambda i: probe(comm.handle, block, True)
         variants["sp_all_gather(lsa)"] = lambda i: torch.ops.spkernels.sp_all_gather(x_local, T, comm.handle)
     full = x_local.new_empty((T, D))
     name = f"all_gather_into_tensor({dist.get_backend(comm.group)})"

@@ -3,6 +3,7 @@
 // kernels are registered next to their launchers in csrc/ops/*.cu.
 #include <torch/library.h>
 
+#include "kernels/mhc_plan.h"
 #include "ops/build_info.h"
 
 #ifdef SPK_WITH_CUDA
@@ -16,6 +17,25 @@ std::vector<int64_t> build_info() {
 #else
   return {0, 0};
 #endif
+}
+
+// The launch plan of an op variant (kernels/mhc_plan.h), flattened for the CPU tests:
+// [slices, groups, parts, exit_barrier, push_barrier, launches, then per launch: kernel, variant,
+// grid_x, grid_y, block, smem]. occupancy: CTAs per device of the tile, wide, collapse-row and
+// collapse-loop kernels (MhcOccupancy).
+std::vector<int64_t> launch_plan(int64_t variant, int64_t num_tokens, int64_t hidden, int64_t max_ctas,
+                                 std::vector<int64_t> occupancy) {
+  TORCH_CHECK(variant >= 0 && variant < kNumMhcVariants, "variant must be in [0, ", kNumMhcVariants, "), got ",
+              variant);
+  TORCH_CHECK(occupancy.size() == 4, "occupancy must have 4 values, got ", occupancy.size());
+  const MhcOccupancy occ = {(int)occupancy[0], (int)occupancy[1], (int)occupancy[2], (int)occupancy[3]};
+  const MhcPlan p = mhc_plan((MhcVariant)variant, (int)num_tokens, (int)hidden, (int)max_ctas, occ);
+  std::vector<int64_t> out = {p.slices, p.groups, p.parts, p.exit_barrier, p.push_barrier, p.num_launches};
+  for (int i = 0; i < p.num_launches; ++i) {
+    const MhcLaunch& l = p.launches[i];
+    out.insert(out.end(), {(int64_t)l.kernel, l.variant, l.grid_x, l.grid_y, l.block, (int64_t)l.smem});
+  }
+  return out;
 }
 }  // namespace spk
 
@@ -57,6 +77,9 @@ TORCH_LIBRARY(spkernels, m) {
 
   // Private: build facts and the CUDA communicator's lifetime (python/spkernels/comm.py).
   m.def("_build_info() -> int[]", &spk::build_info);
+  // The kernels' launch plan, a pure host function: unit-tested on CPU (tests/test_launch_plan.py).
+  m.def("_launch_plan(int variant, int num_tokens, int hidden, int max_ctas, int[] occupancy) -> int[]",
+        &spk::launch_plan);
   // Raises if a fused kernel's barrier timed out (lsa_barrier.cuh); kernel in csrc/ops/comm.cu.
   m.def("_comm_check(int comm) -> ()");
 #ifdef SPK_WITH_CUDA
@@ -67,6 +90,5 @@ TORCH_LIBRARY(spkernels, m) {
       &spk::comm_create);
   m.def("_comm_destroy(int handle) -> ()", &spk::comm_destroy);
   m.def("_comm_partial_buffer(int handle, int num_tokens) -> Tensor", &spk::comm_partial_buffer);
-  m.def("_lsa_link_probe(int handle, int bytes, bool push) -> ()", &spk::lsa_link_probe);
 #endif
 }

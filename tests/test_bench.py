@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
@@ -10,19 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from repo_scripts import import_script
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def import_script(directory: str, *names: str) -> list:
-    """bench/ and tools/ are directories of scripts that import their siblings by name: import them
-    with their directory on sys.path for the import only, so no other test file sees it."""
-    path = str(REPO / directory)
-    sys.path.insert(0, path)
-    try:
-        return [importlib.import_module(n) for n in names]
-    finally:
-        sys.path.remove(path)
 
 
 try:

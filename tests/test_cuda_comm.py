@@ -287,7 +287,7 @@ def test_gather_protocol_back_to_back(T, D):
 
 
 def _tp_push_race_worker(rank, world_size, D):
-    """The pushed mhc_post_ar's protocol (PushArgs in mhc_tile.cuh): 90 calls back to back without a
+    """The pushed mhc_post_ar's protocol (kernels/tp_push.cuh): 90 calls back to back without a
     host sync, pushed (T <= 128: slots alternate, each vector's reader clears it) and pulled
     (T = 200), interleaved with mhc_post_pre_ar calls (pulled: the same window's barriers and
     partial region), the zero-copy partial rewritten right after each call, one rank lagging by a
@@ -370,6 +370,10 @@ def _link_probe_worker(rank, world_size):
 
 
 def test_link_probe():
+    import spkernels  # noqa: F401  (registers the ops)
+
+    if not hasattr(torch.ops.spkernels, "_lsa_link_probe"):
+        pytest.skip("the link probe is bench-only: build with SPK_BENCH_PROBES=1")
     run_distributed(2, _link_probe_worker, backend="nccl", timeout=120)
 
 

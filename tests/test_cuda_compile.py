@@ -4,14 +4,17 @@ machine without a GPU (and with a CPU-only torch). One case per file:
 - every ``csrc/**/*.cu`` against torch's headers and the NCCL headers of the pip package
   nvidia-nccl-cu13 (the NCCL torch loads on the GPU machine), as CMake builds it;
 - ``csrc/torch_bindings.cpp`` with ``SPK_WITH_CUDA=1`` (its CUDA-only registrations);
-- every ``csrc/kernels/*.cuh`` on its own with no torch include path: the kernel layer must stay
-  torch-free (docs/design.md).
+- every header under ``csrc/kernels/`` on its own with no torch include path: the kernel layer must
+  stay torch-free.
 
-The files compile in parallel (one nvcc per core) as soon as the first case asks for them.
+The files compile in parallel (one nvcc per core) as soon as the first case asks for them. The
+same objects then give the per-kernel SASS manifest (tools/sass_manifest.py), checked against
+tests/sass_manifest.json, and the spill check.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -19,30 +22,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
-import torch.utils.cpp_extension
+from repo_scripts import import_script
 
 pytestmark = pytest.mark.slow  # nvcc: ~25 s per file on 2 cores
 
 ROOT = Path(__file__).resolve().parents[1]
+(sass_manifest,) = import_script("tools", "sass_manifest")
+
 CSRC = ROOT / "csrc"
 NVCC = shutil.which("nvcc")
 COMPILE_TIMEOUT_S = 1200  # ~25 s per file on 2 cores today; leave room for a slow CI machine
 
 CU_FILES = sorted(CSRC.rglob("*.cu"))
-KERNEL_HEADERS = sorted((CSRC / "kernels").glob("*.cuh"))
+KERNEL_HEADERS = sorted(p for p in (CSRC / "kernels").rglob("*") if p.suffix in (".cuh", ".h"))
 BINDINGS = CSRC / "torch_bindings.cpp"
-
-
-def nccl_include_dir() -> Path | None:
-    try:
-        import nvidia.nccl
-    except ImportError:
-        return None
-    for root in nvidia.nccl.__path__:
-        if (Path(root) / "include" / "nccl.h").exists():
-            return Path(root) / "include"
-    return None
 
 
 def cases() -> list:
@@ -57,21 +50,8 @@ def cases() -> list:
 class Compiler:
     def __init__(self, workdir: Path, nccl_include: Path) -> None:
         self.workdir = workdir
-        # A CPU-only torch wheel ships the c10/cuda headers but not the one CMake generates for CUDA
-        # builds; it only says that c10_cuda is a shared library. Supply it, never shadowing a real one.
-        shim = workdir / "shim"
-        torch_includes = [Path(p) for p in torch.utils.cpp_extension.include_paths()]
-        if not any((p / "c10/cuda/impl/cuda_cmake_macros.h").exists() for p in torch_includes):
-            (shim / "c10/cuda/impl").mkdir(parents=True)
-            (shim / "c10/cuda/impl/cuda_cmake_macros.h").write_text(
-                "#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n"
-            )
-        self.common = [
-            NVCC, "-c", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
-            "-DSPK_WITH_CUDA=1", f"-I{CSRC}", f"-I{nccl_include}",
-        ]  # fmt: skip
-        self.torch_flags = [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-        self.torch_flags += [f"-I{p}" for p in torch_includes] + [f"-I{shim}"]
+        flags = sass_manifest.NvccFlags(workdir, nccl_include)  # the build's flags
+        self.common, self.torch_flags = flags.common, flags.torch
         self.pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
         self.jobs: dict[tuple[Path, str], Future] = {}
 
@@ -103,7 +83,7 @@ class Compiler:
 def compiler(tmp_path_factory):
     if NVCC is None:
         pytest.skip("nvcc is not on PATH: the CUDA compile check needs the CUDA toolkit")
-    nccl_include = nccl_include_dir()
+    nccl_include = sass_manifest.nccl_include_dir()
     if nccl_include is None:
         pytest.skip("no NCCL headers: `pip install nvidia-nccl-cu13` (the NCCL that torch loads) to compile")
     c = Compiler(tmp_path_factory.mktemp("nvcc"), nccl_include)
@@ -144,3 +124,48 @@ def test_objects_link_without_duplicate_symbols(compiler):
                 owners.setdefault(parts[2], []).append(Path(obj).name)
     dupes = {sym: objs for sym, objs in owners.items() if len(objs) > 1}
     assert not dupes, f"strong symbols defined in several objects: {dupes}"
+
+
+# Kernels that spill today (issue 38), each with its spill bytes: the test fails on any other spill,
+# and on one of these that no longer spills as listed (then shrink the list).
+KNOWN_SPILLS: dict[str, int] = {
+    "void spk::mhc_rows_kernel<(spk::YSrc)2, true, true, false, (spk::FnSrc)0>(spk::TileArgs)": 4,
+    "void spk::mhc_rows_kernel<(spk::YSrc)3, true, false, false, (spk::FnSrc)0>(spk::TileArgs)": 8,
+}
+
+
+@pytest.fixture(scope="module")
+def manifest(compiler):
+    """The per-kernel SASS manifest of the objects test_nvcc_compiles built (tools/sass_manifest.py)."""
+    cuobjdump = sass_manifest.find_tool("cuobjdump")
+    if cuobjdump is None:
+        pytest.skip(
+            "no cuobjdump: `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm` for the SASS manifest"
+        )
+    units = {}
+    for src in CU_FILES:
+        cmd, proc = compiler.result(src, "torch")
+        if proc is None or proc.returncode != 0:
+            pytest.skip(f"{src.relative_to(ROOT)} did not compile (test_nvcc_compiles reports it)")
+        units[str(src.relative_to(ROOT))] = (Path(cmd[-1]), proc.stderr)
+    return sass_manifest.build_manifest(units, cuobjdump)[0]
+
+
+def test_sass_manifest(manifest):
+    """Every kernel's SASS, registers and spills as recorded in tests/sass_manifest.json: a change
+    in code generation is deliberate, recorded with `python tools/sass_manifest.py --write`."""
+    fails, _ = sass_manifest.compare(json.loads(sass_manifest.MANIFEST.read_text()), manifest)
+    assert not fails, "code generation differs from tests/sass_manifest.json:\n" + "\n".join(fails)
+
+
+def test_each_kernel_in_one_unit(manifest):
+    """Every kernel is compiled in one translation unit (csrc/kernels/mhc_kernels.cu for the mHC
+    kernels): a static kernel in a shared header, or a template instantiated by two launchers,
+    would be compiled (and shipped) once per unit."""
+    copies = {name: f["units"] for name, f in manifest.items() if len(f["units"]) > 1}
+    assert not copies, f"kernels compiled in several units: {copies}"
+
+
+def test_no_spills(manifest):
+    spills = {name: f["spill_bytes"] for name, f in manifest.items() if f["spill_bytes"]}
+    assert spills == KNOWN_SPILLS, f"spills {spills}, known {KNOWN_SPILLS}"

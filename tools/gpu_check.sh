@@ -31,6 +31,7 @@ note "gpu_check $parts at $commit on $(date -u +%FT%TZ)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$summary" 2>&1
 
 ab_trees=()
+export SPK_BENCH_PROBES=${SPK_BENCH_PROBES:-1}  # the bench-only link probe: bench/sweep.py's link floors
 if want ab; then  # build the other trees while this one builds
   for d in "${AB_DIR:-.ab}"/*/; do
     [[ -f $d/COMMIT ]] || continue

@@ -22,8 +22,8 @@
 namespace spk {
 
 // Where a barrier sits (for the timeout message). kGatherPush and kGatherCopyIn: the pushed
-// all-gather of layer_input (mhc_tile.cuh, lsa_gather.cuh). kPushedRows: not a barrier,
-// mhc_post_ar's wait for a peer's pushed partial rows at decode sizes (spin_until in mhc_tile.cuh,
+// all-gather of layer_input (mhc_collapse.cuh, lsa_gather.cuh). kPushedRows: not a barrier,
+// mhc_post_ar's wait for a peer's pushed partial rows at decode sizes (spin_until in mhc_rows.cuh,
 // PushArgs).
 enum class BarrierSite : int32_t { kEntry, kExit, kGatherEntry, kGatherExit, kGatherPush, kGatherCopyIn, kPushedRows };
 

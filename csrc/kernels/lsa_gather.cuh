@@ -1,59 +1,17 @@
 #pragma once
-// All-gathers over LSA (torch-free).
-//
-// lsa_all_gather_kernel (sp_all_gather): every rank has staged its own rows at
-// [rank * bytes, (rank + 1) * bytes) of its gather buffer; each CTA pulls its share of every
-// peer's block into the output. Rows of any dtype and width: 16-byte vectors, then a byte tail.
-// <kPush = true> (the bench's link probe only): each CTA stores its share of this rank's block of
-// `out` into every peer's gather region at [rank * bytes, (rank + 1) * bytes).
-//
-// lsa_copy_in_kernel (the SP mhc ops): the peers have already pushed their rows into this rank's
-// gather region; it copies them into the output. The protocol is below the kernel.
+// The pushed all-gather of the SP mhc ops (torch-free): lsa_copy_in_kernel. The peers have
+// already pushed their rows into this rank's gather region; it copies them into the output. The
+// protocol is below the kernel. (sp_all_gather's pulling kernel: lsa_all_gather.cuh.)
 #include <nccl.h>
 #include <nccl_device.h>
 
 #include <cstdint>
 
 #include "kernels/lsa_barrier.cuh"
+#include "kernels/lsa_plan.h"
 #include "kernels/pdl.cuh"
 
 namespace spk {
-
-constexpr int kGatherThreads = 512;
-
-// static: internal linkage, as every translation unit that launches it includes this header.
-template <bool kPush = false>
-static __global__ void __launch_bounds__(kGatherThreads)
-    lsa_all_gather_kernel(ncclWindow_t window, size_t gather_offset, size_t bytes, int rank, int world,
-                          const __grid_constant__ BarrierArgs barrier, char* out) {
-  LsaBarrier bar(window, rank, world, barrier, blockIdx.x);
-  bar.sync(BarrierSite::kGatherEntry);  // every rank's block is staged (push: the peers' readers are done)
-  const bool vec = bytes % 16 == 0;
-  const size_t n = vec ? bytes / 16 : bytes;
-  const size_t stride = (size_t)gridDim.x * blockDim.x;
-  for (int p = 0; p < world; ++p) {
-    if (p == rank) continue;
-    const char* src =
-        kPush ? out + rank * bytes : static_cast<const char*>(ncclGetLsaPointer(window, gather_offset + p * bytes, p));
-    char* dst =
-        kPush ? static_cast<char*>(ncclGetLsaPointer(window, gather_offset + rank * bytes, p)) : out + p * bytes;
-    for (size_t k = blockIdx.x * (size_t)blockDim.x + threadIdx.x; k < n; k += stride) {
-      if (vec)
-        reinterpret_cast<uint4*>(dst)[k] = reinterpret_cast<const uint4*>(src)[k];
-      else
-        dst[k] = src[k];
-    }
-  }
-  bar.sync(BarrierSite::kGatherExit);  // nobody reads our block any more (push: every block landed)
-}
-
-// Grid: a function of the byte count only (identical on every rank), at most max_ctas.
-inline int lsa_all_gather_grid(size_t bytes, int max_ctas) {
-  const size_t per_cta = 64 * 1024;
-  size_t g = (bytes + per_cta - 1) / per_cta;
-  if (g < 1) g = 1;
-  return (int)(g < (size_t)max_ctas ? g : (size_t)max_ctas);
-}
 
 // The last kernel of the SP mhc ops (mhc_pre_ag, mhc_post_pre_rs_ag on the lsa backend), launched
 // as a programmatic dependent of pass 2 (pdl.cuh; grid lsa_all_gather_grid(bytes, max_ctas), so at
@@ -64,7 +22,7 @@ inline int lsa_all_gather_grid(size_t bytes, int max_ctas) {
 //
 // max_ctas is pass 1's occupancy, 2 CTAs per SM (128 registers x 256 threads); the bound of 2
 // blocks per SM keeps that many copy-in CTAs co-resident, as the barrier wants.
-static __global__ void __launch_bounds__(kGatherThreads, 2)
+__global__ void __launch_bounds__(kGatherThreads, 2)
     lsa_copy_in_kernel(ncclWindow_t window, size_t gather_offset, size_t bytes, int rank, int world,
                        const __grid_constant__ BarrierArgs barrier, char* out) {
   pdl_wait();  // before the barrier (its epoch, and fact F2 below) and before any memory access

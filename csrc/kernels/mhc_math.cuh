@@ -1,89 +1,17 @@
 #pragma once
-// Torch-free building blocks of the mHC kernels: bf16 vector helpers, the tensor-core product
-// and the per-token coefficient math of SPEC.md §1. Everything here is deterministic: fixed
-// summation orders only, so replicated ranks compute bitwise-identical results.
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-
-#include <cstdint>
+// The per-token mHC math (torch-free): the coefficients of the mHC contract (section 1), Sinkhorn,
+// and the post mix. Everything here is deterministic: fixed summation orders only, so replicated
+// ranks compute bitwise-identical results.
+#include "kernels/common.cuh"
+#include "kernels/mhc_shape.h"
 
 namespace spk {
-
-constexpr int kHC = 4;                 // stream count; kernels are specialised for 4
-constexpr int kMix = (2 + kHC) * kHC;  // 24 mixing values: pre | post | res (row-major i, j)
-constexpr int kTileTokens = 16;        // tokens per tile = the M of mma.m16n8k16
-constexpr int kThreads = 256;          // threads per CTA
-constexpr int kWarps = kThreads / 32;
-constexpr int kMaxPeers = 8;      // LSA ranks the fused kernels sum over (one NVLink node)
-constexpr int kMaxHidden = 8192;  // D limit: the fn slice of a CTA must fit in shared memory
 
 struct MhcEps {
   float rms_eps, hc_eps, norm_eps;
   int sinkhorn_iters;
   float post_alpha;
 };
-
-__device__ __forceinline__ void bf16x8_to_float(const uint4& v, float (&f)[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    float2 p = __bfloat1622float2(h[k]);
-    f[2 * k] = p.x;
-    f[2 * k + 1] = p.y;
-  }
-}
-
-__device__ __forceinline__ uint4 float_to_bf16x8(const float (&f)[8]) {
-  uint4 v;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) h[k] = __floats2bfloat162_rn(f[2 * k], f[2 * k + 1]);
-  return v;
-}
-
-// fp32 -> (hi, lo) bf16 pairs with hi + lo = f to ~2^-16 relative: the "split-bf16" product
-// fn · x = hi · x + lo · x on bf16 tensor cores keeps fp32-grade accuracy (x is bf16, exact).
-__device__ __forceinline__ void split_bf16x2(float a, float b, uint32_t& hi, uint32_t& lo) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-  float2 hf = __bfloat1622float2(h);
-  __nv_bfloat162 l = __floats2bfloat162_rn(a - hf.x, b - hf.y);
-  hi = *reinterpret_cast<uint32_t*>(&h);
-  lo = *reinterpret_cast<uint32_t*>(&l);
-}
-
-// Not volatile: the mma has no side effects, so the compiler may schedule it among the loads.
-__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                               uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void mma_bf16_1688(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
-  asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(b0));
-}
-
-// Asks the L2 to fetch [p, p + bytes) from HBM (sm_90 bulk prefetch; p and bytes multiples of 16).
-// No registers, no completion to wait for: a later load of the range hits L2.
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-
-// 16 bytes global -> shared, asynchronously and through the L2 only (.cg); src_bytes = 0 stores
-// zeros (src must still be a valid address). cp_async_wait<N>: this thread's copies but those of
-// its N most recently committed groups have landed.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-  const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
-}
 
 // The coefficient math is a latency-bound chain on one warp (20 Sinkhorn sweeps per row), so it
 // uses the SFU's approximate exp and reciprocal (~2 ulp each; the mixes' tolerance is 1e-4).
@@ -153,6 +81,22 @@ __device__ __forceinline__ void mhc_post_res_row(const float* m, float r, const 
     if (q == i)
 #pragma unroll
       for (int j = 0; j < kHC; ++j) res[j] = c[q][j];
+}
+
+// The post's new stream j for one 8-column vector: bf16(post[j] * y + sum_i res[i][j] * x_i), the
+// sum in stream order. mix = post[4] | res[4][4] (res[i][j] at kHC + i * kHC + j). Both post
+// kernels use it, so a row is bitwise the same whichever runs it.
+__device__ __forceinline__ uint4 post_mix_vector(const float* mix, const float (&xf)[kHC][8], const float (&yv)[8],
+                                                 int j) {
+  float nv[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < kHC; ++i) acc += mix[kHC + i * kHC + j] * xf[i][e];
+    nv[e] = mix[j] * yv[e] + acc;
+  }
+  return float_to_bf16x8(nv);
 }
 
 }  // namespace spk

@@ -19,7 +19,7 @@
 // whatever kernel precedes it on the stream, ours or the caller's. A kernel that never calls
 // pdl_launch_dependents() (the caller's, or an op's last kernel) triggers when all of its CTAs
 // have exited, so the next op's launch overlaps that kernel's teardown (its completion and memory
-// flush): mhc_post at T = 1 1.4 -> 1.0 us.
+// flush).
 //
 // pdl_wait() (griddepcontrol.wait) returns once the previous grid has completed and all its
 // memory operations are performed and visible to this grid (PTX ISA), so everything after it sees

@@ -18,9 +18,6 @@ int64_t comm_create(int64_t handle, std::vector<int64_t> unique_id, int64_t rank
                     double barrier_timeout_s);
 void comm_destroy(int64_t handle);
 at::Tensor comm_partial_buffer(int64_t handle, int64_t num_tokens);
-// The bench's link probe: the LSA all-gather kernel alone (pull), or its push twin, moving `bytes`
-// per peer between the gather regions and a scratch tensor (contents are whatever is there).
-void lsa_link_probe(int64_t handle, int64_t bytes, bool push);
 #endif
 
 }  // namespace spk

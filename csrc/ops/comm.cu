@@ -11,9 +11,11 @@
 #include <memory>
 #include <mutex>
 
+#include "kernels/mhc_api.cuh"
+#include "kernels/tp_push.cuh"
 #include "ops/build_info.h"
+#include "ops/checks.h"
 #include "ops/comm.h"
-#include "ops/mhc_ops.h"
 
 namespace spk {
 namespace {
@@ -24,7 +26,7 @@ std::map<int64_t, std::unique_ptr<CommState>> g_comms;
 // The heaviest fused kernel decides how many CTAs fit at once on this device.
 int local_max_ctas(int hidden) {
   int n = 0;
-  SPK_CUDA_CHECK((rows_max_ctas<YSrc::kPeers, true, true, false>(hidden, &n)));
+  SPK_CUDA_CHECK(mhc_fused_max_ctas(hidden, &n));
   return n;
 }
 

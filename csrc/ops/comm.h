@@ -36,11 +36,12 @@ struct CommState {
   size_t region_bytes() const { return (size_t)max_tokens * hidden * 2; }
   size_t partial_offset() const { return 0; }
   // The SP mhc ops' peers push their layer_input rows into the gather region; sp_all_gather
-  // stages this rank's block there for the peers to pull (protocol: kernels/lsa_gather.cuh).
+  // stages this rank's block there for the peers to pull (protocol: kernels/lsa_gather.cuh; kernel:
+  // kernels/lsa_all_gather.cuh).
   size_t gather_offset() const { return region_bytes(); }
   size_t inbox_offset() const { return 2 * region_bytes(); }
   size_t inbox_bytes() const { return (size_t)max_ctas * kMaxPeers * sizeof(uint32_t); }
-  // The pushed mhc_post_ar's two slots of every sender's rows (PushArgs in mhc_tile.cuh).
+  // The pushed mhc_post_ar's two slots of every sender's rows (PushArgs; protocol in kernels/tp_push.cuh).
   size_t push_offset() const { return (inbox_offset() + inbox_bytes() + 15) / 16 * 16; }
   size_t push_bytes() const { return (size_t)2 * world * push_rows * hidden * 2; }
 };

@@ -2,7 +2,6 @@
 // symmetric window. Backend `nccl`: NCCL host collectives on the current stream + the local kernels.
 #include <torch/library.h>
 
-#include "kernels/lsa_gather.cuh"
 #include "ops/build_info.h"
 #include "ops/comm.h"
 #include "ops/mhc_ops.h"
@@ -101,7 +100,7 @@ Tensor mhc_post_rs_cuda(const Tensor& partial, const Tensor& stream, const Tenso
   if (!c.lsa) return mhc_post_cuda(nccl_reduce(c, partial, stream.size(0), true), stream, post_mix, res_mix);
   Tensor new_stream = at::empty_like(stream);
   const TileArgs a = lsa_post_args(c, partial, stream, post_mix, res_mix, new_stream, c.rank * (int)stream.size(0));
-  run_mhc<YSrc::kPeers, true, false, false, false>(a, c.max_ctas);
+  run_mhc(MhcVariant::kPostPeers, a, c.max_ctas);
   return new_stream;
 }
 
@@ -118,12 +117,12 @@ PreOut mhc_pre_ag_cuda(const Tensor& stream, const Tensor& fn, const Tensor& sca
   PreOut out = set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in, eps, stream.size(0) * c.world);
   if (!c.lsa) {
     a.layer_input += (size_t)c.rank * stream.size(0) * stream.size(2);  // my rows, then gather in place
-    run_mhc<YSrc::kNone, false, true, false, false>(a, 0);
+    run_mhc(MhcVariant::kPre, a, 0);
     nccl_gather_in_place(c, std::get<0>(out));
     return out;
   }
   set_lsa(a, c, 0);
-  run_mhc<YSrc::kNone, false, true, false, true>(a, c.max_ctas);
+  run_mhc(MhcVariant::kPreGather, a, c.max_ctas);
   return out;
 }
 
@@ -146,10 +145,10 @@ PostPreOut mhc_post_pre_rs_ag_cuda(const Tensor& partial, const Tensor& stream, 
   }
   Tensor new_stream = at::empty_like(stream);
   TileArgs a = lsa_post_args(c, partial, stream, post_mix, res_mix, new_stream, c.rank * (int)stream.size(0));
-  auto [li, post, res, pre] = set_pre_args(
-      a, stream, fn, scale, base, norm_weight, pre_mix_in,
-      make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha, sinkhorn_eps), stream.size(0) * c.world);
-  run_mhc<YSrc::kPeers, true, true, false, true>(a, c.max_ctas);
+  auto [li, post, res, pre] =
+      set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in,
+                   make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha, sinkhorn_eps), stream.size(0) * c.world);
+  run_mhc(MhcVariant::kPostPrePeersGather, a, c.max_ctas);
   return {new_stream, li, post, res, pre};
 }
 
@@ -172,9 +171,8 @@ Tensor sp_all_gather_cuda(const Tensor& x_local, int64_t num_tokens, int64_t com
   if (c.lsa && bytes * c.world <= c.region_bytes()) {
     char* staged = static_cast<char*>(c.buffer) + c.gather_offset() + c.rank * bytes;
     SPK_CUDA_CHECK(cudaMemcpyAsync(staged, x_local.data_ptr(), bytes, cudaMemcpyDeviceToDevice, st));
-    lsa_all_gather_kernel<false><<<lsa_all_gather_grid(bytes, c.max_ctas), kGatherThreads, 0, st>>>(
-        c.window, c.gather_offset(), bytes, c.rank, c.world, c.barrier, static_cast<char*>(full.data_ptr()));
-    SPK_CUDA_CHECK(cudaGetLastError());
+    SPK_CUDA_CHECK(launch_lsa_all_gather(c.window, c.gather_offset(), bytes, c.rank, c.world, c.barrier,
+                                         static_cast<char*>(full.data_ptr()), c.max_ctas, st));
   } else {
     // Larger than the symmetric gather region (e.g. the whole stream at a pipeline boundary), or
     // the nccl backend: NCCL's all-gather, in place.
@@ -192,17 +190,17 @@ Tensor mhc_post_ar_cuda(const Tensor& partial, const Tensor& stream, const Tenso
   const c10::cuda::CUDAGuard guard(stream.device());
   if (!c.lsa) return mhc_post_cuda(nccl_reduce(c, partial, stream.size(0), false), stream, post_mix, res_mix);
   Tensor new_stream = at::empty_like(stream);
-  if (stream.size(0) <= c.push_rows) {  // decode sizes: pushed (PushArgs in mhc_tile.cuh)
+  if (stream.size(0) <= c.push_rows) {  // decode sizes: pushed (PushArgs; protocol in kernels/tp_push.cuh)
     TileArgs a = base_tile_args(stream);
     set_post_args(a, post_mix, res_mix, new_stream);
     set_lsa(a, c, 0);
     a.y = cptr<__nv_bfloat16>(partial);  // read where it is: no staging copy
     a.lsa.push = {c.push_offset(), c.push_rows, c.push_calls, c.push_ticket};
-    run_mhc<YSrc::kPushed, true, false, false, false>(a, c.max_ctas);
+    run_mhc(MhcVariant::kPostPushed, a, c.max_ctas);
     return new_stream;
   }
   const TileArgs a = lsa_post_args(c, partial, stream, post_mix, res_mix, new_stream, 0);
-  run_mhc<YSrc::kPeers, true, false, false, false>(a, c.max_ctas);
+  run_mhc(MhcVariant::kPostPeers, a, c.max_ctas);
   return new_stream;
 }
 
@@ -226,26 +224,8 @@ PostPreOut mhc_post_pre_ar_cuda(const Tensor& partial, const Tensor& stream, con
   auto [li, post, res, pre] =
       set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in,
                    make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha, sinkhorn_eps), stream.size(0));
-  run_mhc<YSrc::kPeers, true, true, false, false>(a, c.max_ctas);
+  run_mhc(MhcVariant::kPostPrePeers, a, c.max_ctas);
   return {new_stream, li, post, res, pre};
-}
-
-void lsa_link_probe(int64_t handle, int64_t bytes, bool push) {
-  CommState& c = get_comm(handle);
-  check_barrier(c);
-  SPK_CHECK(c.lsa, "_lsa_link_probe needs the lsa backend, comm ", handle, " runs nccl");
-  SPK_CHECK(bytes > 0 && bytes % 16 == 0 && (size_t)bytes * c.world <= c.region_bytes(),
-            "bytes must be a positive multiple of 16 with tp * bytes <= the gather region (", c.region_bytes(),
-            " bytes), got ", bytes);
-  const c10::cuda::CUDAGuard guard(c.device);
-  // Pull: the peers' blocks land here; push: this rank's block (any contents) goes out from here.
-  Tensor scratch = at::empty({bytes * c.world}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, c.device));
-  const int grid = lsa_all_gather_grid(bytes, c.max_ctas);
-  cudaStream_t st = c10::cuda::getCurrentCUDAStream();
-  const auto kernel = push ? lsa_all_gather_kernel<true> : lsa_all_gather_kernel<false>;
-  kernel<<<grid, kGatherThreads, 0, st>>>(c.window, c.gather_offset(), bytes, c.rank, c.world, c.barrier,
-                                          static_cast<char*>(scratch.data_ptr()));
-  SPK_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace spk

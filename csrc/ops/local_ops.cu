@@ -12,10 +12,9 @@ PreOut mhc_pre_cuda(const Tensor& stream, const Tensor& fn, const Tensor& scale,
   check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, sinkhorn_iters);
   const c10::cuda::CUDAGuard guard(stream.device());
   TileArgs a = base_tile_args(stream);
-  PreOut out =
-      set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in,
-                   make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha, sinkhorn_eps), stream.size(0));
-  run_mhc<YSrc::kNone, false, true, false, false>(a, 0);
+  PreOut out = set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in,
+                            make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha, sinkhorn_eps), stream.size(0));
+  run_mhc(MhcVariant::kPre, a, 0);
   return out;
 }
 
@@ -28,7 +27,7 @@ Tensor mhc_post_cuda(const Tensor& y, const Tensor& stream, const Tensor& post_m
   TileArgs a = base_tile_args(stream);
   a.y = cptr<__nv_bfloat16>(y);
   set_post_args(a, post_mix, res_mix, new_stream);
-  run_mhc<YSrc::kLocal, true, false, false, false>(a, 0);
+  run_mhc(MhcVariant::kPost, a, 0);
   return new_stream;
 }
 
@@ -48,7 +47,7 @@ PostPreOut mhc_post_pre_cuda(const Tensor& y, const Tensor& stream, const Tensor
   auto [layer_input, post, res, pre] =
       set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in,
                    make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha, sinkhorn_eps), stream.size(0));
-  run_mhc<YSrc::kLocal, true, true, false, false>(a, 0);
+  run_mhc(MhcVariant::kPostPre, a, 0);
   return {new_stream, layer_input, post, res, pre};
 }
 
@@ -67,7 +66,7 @@ Tensor mhc_head_cuda(const Tensor& stream, const Tensor& fn, const Tensor& scale
   a.base = cptr<float>(base);
   a.eps = make_eps(rms_eps, hc_eps, 0.0, 1, 0.0, c10::nullopt);
   a.layer_input = ptr<__nv_bfloat16>(out);
-  run_mhc<YSrc::kNone, false, true, true, false>(a, 0);
+  run_mhc(MhcVariant::kHead, a, 0);
   return out;
 }
 

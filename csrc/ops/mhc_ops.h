@@ -6,7 +6,7 @@
 
 #include <tuple>
 
-#include "kernels/mhc_launch.cuh"
+#include "kernels/mhc_api.cuh"
 #include "ops/checks.h"
 
 namespace spk {
@@ -64,17 +64,17 @@ inline PreOut set_pre_args(TileArgs& a, const Tensor& stream, const Tensor& fn, 
   return out;
 }
 
-// One op on the current stream; max_ctas: see launch_mhc. The pass-1 -> pass-2 workspace comes
-// from torch's caching allocator (stream-ordered, and from the graph's pool under capture).
-template <YSrc kSrc, bool kPost, bool kPre, bool kHead, bool kGather>
-inline void run_mhc(TileArgs a, int max_ctas) {
+// One op on the current stream; max_ctas: see launch_mhc (kernels/mhc_api.cuh). The pass-1 ->
+// pass-2 workspace comes from torch's caching allocator (stream-ordered, and from the graph's pool
+// under capture).
+inline void run_mhc(MhcVariant v, TileArgs a, int max_ctas) {
   Tensor ws;
-  if constexpr (kPre) {
-    ws = at::empty({(int64_t)a.num_tokens * row_slices(a.hidden) * FnRows<kHead>::kVals},
+  if (mhc_traits(v).pre) {
+    ws = at::empty({(int64_t)mhc_ws_floats(v, a.num_tokens, a.hidden)},
                    at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, c10::cuda::current_device()));
     a.ws = ptr<float>(ws);
   }
-  SPK_CUDA_CHECK((launch_mhc<kSrc, kPost, kPre, kHead, kGather>(a, max_ctas, c10::cuda::getCurrentCUDAStream())));
+  SPK_CUDA_CHECK(launch_mhc(v, a, max_ctas, c10::cuda::getCurrentCUDAStream()));
 }
 
 // Local ops, also the compute half of the `nccl` backend.

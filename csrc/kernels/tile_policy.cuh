@@ -1,0 +1,64 @@
+#pragma once
+// The compile-time choices of pass 1's tile loop (mhc_rows.cuh) for one kernel variant, each with
+// its reason: a variant is this type, and the loop reads each decision by name.
+#include "kernels/mhc_args.cuh"
+
+namespace spk {
+
+template <YSrc kSrc, bool kPost, bool kPre, bool kHead, FnSrc kFn>
+struct TilePolicy {
+  static_assert(!(kHead && kPost), "the head is a pre without a post");
+  static constexpr int kRows = FnRows<kHead>::kRows;  // fn rows, padded to whole m-tiles
+  static constexpr int kVals = FnRows<kHead>::kVals;  // workspace values per (row, slice)
+  static constexpr int kNT = kRows / 8;               // m-tiles of fn rows
+
+  // The tiles come as runs (TileRun) of mhc_rows_fnreg_kernel, fn loaded once per run; every
+  // other kernel's CTA (g, s) takes tiles g, g + G, ...
+  static constexpr bool kRuns = kFn == FnSrc::kRegs;
+
+  // Fn in registers (a pre's mhc_rows_fnreg_kernel): the tile's x comes by 16-byte cp.async
+  // through a ring of kFnRegRing tiles in shared memory, this thread's own 8 slots per tile (slot k
+  // of thread t at k * kThreads + t: no bank conflicts). A tile's copies are issued right after
+  // the mma of the tile kFnRegRing before it has read that slot, and are one commit group (an
+  // empty one past the last tile), so tile j waits with wait_group<kFnRegRing - 1>. No L2
+  // prefetch: the copy is the only read, so each byte crosses the L2 partitions' fabric once.
+  // With the fragments in registers, pass 1 no longer fills the shared-memory pipe with their
+  // loads every tile. Only a pre's: the local post_pre and the fused boundaries so (their old
+  // stream and y through the ring, one CTA per SM) are slower.
+  static constexpr int kRing = kFn == FnSrc::kRegs ? kFnRegRing : 0;
+  static constexpr bool kStageX = kRing > 0;
+  static_assert(!kStageX || (kSrc == YSrc::kNone && !kPost && !kHead), "the ring: a pre's x");
+
+  // A local post's y rows go out with the tile's stream loads (yr[h]), not after the barrier
+  // that stages the tile's mixes: at decode sizes that would be a second HBM round trip per call.
+  // Not for a post_pre: its pass 1 has no registers to spare. Not for a pushed post either: its
+  // own rows there are slower than loaded after the pushes (`mine`).
+  static constexpr bool kEarlyY = kPost && !kPre && kSrc == YSrc::kLocal;
+
+  // The next tile's loads go out right after this tile's mma, into the same registers, and are
+  // in flight through this tile's CTA sums and workspace stores: the head (it reads x only in the
+  // mma phase) and the local post_pre (its x is dead once the mma has read the new stream).
+  // mhc_pre and mhc_pre_ag are faster with the L2 prefetch (kPrefetchNext) instead. The fused
+  // post_pres (kPeers) are not measured so yet.
+  static constexpr bool kPipe = kHead || (kPost && kPre && kSrc == YSrc::kLocal);
+
+  // The piped post_pre loads the next tile's incoming mixes right after the mma, and the tile's
+  // top only stores them (loaded at the top, its one-tile FnSrc::kGlobal form spills).
+  static constexpr bool kMixAhead = kPipe && kPost;
+
+  // Token g + 8's y is fetched before token g's stores: a store may alias y, so the compiler keeps
+  // a later load after it, and token g + 8's loads would wait for them (one more round trip from
+  // T = 9 on, over NVLink for the peers' partials). Where registers allow, both before token g's
+  // mix; a local post_pre only after it (it spills otherwise).
+  static constexpr bool kYFirst = kSrc == YSrc::kPeers || kSrc == YSrc::kPushed || kEarlyY;
+
+  // The CTA's next tile into L2 while this one computes, so the next loads wait on L2, not HBM: one
+  // bulk prefetch per (token, stream) slice row (and y's), the ranges dealt round the warps (the
+  // bulk prefetch takes uniform operands, so a warp runs its lanes' ranges one after another; on
+  // the first threads alone, two warps would run 32 steps while the others wait at the next
+  // barrier). A pre's, but not the head's (kPipe) nor the ring's (kStageX).
+  static constexpr bool kPrefetchNext = kPre && !kHead && !kStageX;
+  static constexpr int kPrefetchRanges = kHC + (kSrc == YSrc::kLocal ? 1 : 0);  // per token: streams, y
+};
+
+}  // namespace spk
