@@ -139,7 +139,7 @@ def _probe_link(bench: Bench, comm, tp: int, D: int, T: int, device, floors: dic
     x_local = torch.randn((T // tp, D), device=device).to(torch.bfloat16)
     variants = {}
     if comm.backend == "lsa":
-        # The probe is built only with SPK_BENCH_PROBES=1 (scripts/gpu_run.sh sets it).
+        # The probe is built only with SPK_BENCH_PROBES=1 (tools/gpu_check.sh sets it).
         if hasattr(torch.ops.spkernels, "_lsa_link_probe"):
             probe, block = torch.ops.spkernels._lsa_link_probe, T // tp * D * 2
             variants["lsa_pull"] = lambda i: probe(comm.handle, block, False)

@@ -1,4 +1,4 @@
-// The one TORCH_LIBRARY(spkernels): every schema lives here (SPEC.md §3). CPU kernels are the
+// The one TORCH_LIBRARY(spkernels): every schema lives here (docs/contract.md). CPU kernels are the
 // reference math in python/spkernels/ops.py (gloo collectives need torch.distributed); CUDA
 // kernels are registered next to their launchers in csrc/ops/*.cu.
 #include <torch/library.h>
@@ -39,7 +39,7 @@ std::vector<int64_t> launch_plan(int64_t variant, int64_t num_tokens, int64_t hi
 }
 }  // namespace spk
 
-// EPS = the five trailing mixing scalars, always in this order (SPEC.md §3).
+// EPS = the five trailing mixing scalars, always in this order.
 #define SPK_EPS "float rms_eps, float hc_eps, float norm_eps, int sinkhorn_iters, float post_alpha"
 #define SPK_EPS_DEFAULTS \
   "float rms_eps=1e-6, float hc_eps=1e-6, float norm_eps=1e-6, int sinkhorn_iters=20, float post_alpha=2.0"

@@ -126,7 +126,7 @@ def test_objects_link_without_duplicate_symbols(compiler):
     assert not dupes, f"strong symbols defined in several objects: {dupes}"
 
 
-# Kernels that spill today (issue 38), each with its spill bytes: the test fails on any other spill,
+# Kernels that spill today, each with its spill bytes: the test fails on any other spill,
 # and on one of these that no longer spills as listed (then shrink the list).
 KNOWN_SPILLS: dict[str, int] = {
     "void spk::mhc_rows_kernel<(spk::YSrc)2, true, true, false, (spk::FnSrc)0>(spk::TileArgs)": 4,

@@ -1,4 +1,4 @@
-"""Where one profiled kernel's warps wait, from an ncu report exported as CSV (gpu_run.sh profile).
+"""Where one profiled kernel's warps wait, from an ncu report exported as CSV (ncu --page raw/source --csv).
 
   ncu -i rep.ncu-rep --page raw --csv > raw.csv
   ncu -i rep.ncu-rep --page source --csv --print-source sass > sass.csv
@@ -17,7 +17,7 @@ import sys
 
 STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio$")
 # A pipe's or a memory unit's load: what caps a kernel that more warps do not speed up.
-# With gpu_run.sh's `breakdown:` metrics the L2's and L1's sub-units are there too (tags, sectors,
+# With ncu's `breakdown:` metrics the L2's and L1's sub-units are there too (tags, sectors,
 # crossbar ports, banks): which of them is the throughput's max.
 BUSY = re.compile(r"^(sm__\w*pipe_\w+|dram__\w*throughput|lts__\w+|l1tex__\w+)\.\w+\.pct_of_peak_\w+$")
 

@@ -48,7 +48,7 @@ __device__ __forceinline__ void collapse_weights(const TileArgs& a, int row, con
   for (int i = 0; i < kHC; ++i) w[i] = (!kHead && a.pre_mix_in != nullptr) ? a.pre_mix_in[row * kHC + i] : coef[i];
 }
 
-// y = sum_i w_i x_i over one 16-byte vector of each stream, rounded to bf16 (SPEC.md's rounding
+// y = sum_i w_i x_i over one 16-byte vector of each stream, rounded to bf16 (the contract's rounding
 // point); with `norm`, sq = the sum of its bf16 values' squares. Explicit fmas: both kernels
 // must get the same bits whatever the compiler contracts.
 __device__ __forceinline__ uint4 collapse_vec(const float (&w)[kHC], const uint4 (&x)[kHC], bool norm, float& sq) {

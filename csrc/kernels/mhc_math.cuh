@@ -19,8 +19,8 @@ struct MhcEps {
 __device__ __forceinline__ float fast_rcp(float x) { return __fdividef(1.0f, x); }
 __device__ __forceinline__ float sigmoidf(float x) { return fast_rcp(1.0f + __expf(-x)); }
 
-// Per-token coefficients (SPEC.md section 1), for lane i of a quad. m: the 24 raw products (fn · x)
-// of the token; r: its RMS factor, applied after the product as the SPEC says. The pre weight of
+// Per-token coefficients (docs/contract.md), for lane i of a quad. m: the 24 raw products (fn · x)
+// of the token; r: its RMS factor, applied after the product as the contract says. The pre weight of
 // stream i comes alone, first: it is all the collapse needs, so pass 2 collapses while the rest
 // (post, Sinkhorn) is still running.
 __device__ __forceinline__ float mhc_pre_weight(const float* m, float r, const float* scale, const float* base,
