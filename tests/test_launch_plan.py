@@ -55,22 +55,25 @@ def test_zero_tokens_launch_nothing():
 
 
 def test_kernels_per_variant():
-    """A post alone: pass 1 only; a pre: pass 1 and pass 2; the SP gathers also the copy-in."""
+    """A post alone: pass 1 only (the local post: its row kernel); a pre: pass 1 and pass 2; the SP
+    gathers also the copy-in."""
     for v, T, D in itertools.product(VARIANTS, [256, 8192], HIDDEN):
         kernels = [launch["kernel"] for launch in plan(v, T, D, 264 if v in FUSED else 0)["launches"]]
-        assert kernels[0] in ("rows", "rows_teams", "rows_fnreg"), (v, kernels)
+        first = ("post_row",) if v == "post" else ("rows", "rows_teams", "rows_fnreg")
+        assert kernels[0] in first, (v, kernels)
         want = 1 + (v in PRES) + v.endswith("gather")
         assert len(kernels) == want, (v, T, D, kernels)
         if v.endswith("gather"):
             assert kernels[-1] == "copy_in"
 
 
-def test_post_row_kernel_up_to_128_tokens():
+def test_post_row_kernel_up_to_the_grid_limit():
     for D in HIDDEN:
-        p = plan("post", 128, D)["launches"]
-        assert [launch["kernel"] for launch in p] == ["post_row"]
-        assert p[0]["grid"] == ((D // 8 + 63) // 64, 128) and p[0]["block"] == 64 and p[0]["smem"] == 0
-        assert plan("post", 129, D)["launches"][0]["kernel"] == "rows"
+        for T in (1, 128, 8192, 65535):
+            p = plan("post", T, D)["launches"]
+            assert [launch["kernel"] for launch in p] == ["post_row"]
+            assert p[0]["grid"] == ((D // 8 + 63) // 64, T) and p[0]["block"] == 64 and p[0]["smem"] == 0
+        assert plan("post", 65536, D)["launches"][0]["kernel"] == "rows"
         # Only the local post: the fused posts keep their tile kernel at every size.
         assert plan("post_peers", 1, D, 264)["launches"][0]["kernel"] == "rows"
 

@@ -110,7 +110,7 @@ inline size_t rows_smem_bytes(const MhcTraits& t, int hidden) {
   return !t.pre ? 0 : t.head ? fn_smem_bytes<true>(hidden) : fn_smem_bytes<false>(hidden);
 }
 
-// mhc_post alone at decode sizes: the row kernel, which needs no occupancy.
+// mhc_post alone (every T the row kernel's grid holds): the row kernel, which needs no occupancy.
 inline bool mhc_post_row_only(MhcVariant v, int num_tokens) {
   return v == MhcVariant::kPost && num_tokens <= kPostRowRows;
 }

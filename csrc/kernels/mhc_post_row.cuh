@@ -1,14 +1,15 @@
 #pragma once
-// mhc_post's decode kernel (torch-free).
+// mhc_post's row kernel (torch-free).
 #include "kernels/mhc_args.cuh"
 #include "kernels/pdl.cuh"
 
 namespace spk {
 
-// mhc_post alone at decode sizes (T <= kPostRowRows): a thread per 8-column vector of one token,
-// every load of it (4 stream vectors, y, the token's 20 mixes) in one round, then its 4 stores; no
-// shared memory, no barrier. The tile kernel runs a 16-token tile there (at T = 1, 4 of a warp's
-// 32 lanes work) and stages the mixes behind a CTA barrier. Grid (vector blocks, T); blocks of
+// mhc_post alone (T <= kPostRowRows): a thread per 8-column vector of one token, every load of it
+// (4 stream vectors, y, the token's 20 mixes) in one round, then its 4 stores; no shared memory,
+// no barrier: a pure streaming kernel, with 80 bytes of loads in flight per thread. The tile
+// kernel would run a 16-token tile (at T = 1, 4 of a warp's 32 lanes work), stage the mixes behind
+// a CTA barrier and leave a tail wave of tiles. Grid (vector blocks, T); blocks of
 // kPostRowThreads threads spread a decode token over more SMs. Launched as a programmatic
 // dependent of whatever kernel precedes it (pdl.cuh), so its launch overlaps that kernel's teardown.
 __global__ void __launch_bounds__(kPostRowThreads) mhc_post_row_kernel(const __grid_constant__ TileArgs a) {
