@@ -13,8 +13,8 @@ its spill bytes (from ``ptxas -v``), and the sources that compile a copy of it.
 
 A refactor that should not change code generation must pass ``--check``; a change that does is
 recorded with ``--write`` in its own commit, which lists the functions whose hashes changed.
-cuobjdump comes from the CUDA toolkit or the pip package nvidia-cuda-cuobjdump (pinned in requirements-dev.txt:
-its text format, and so the hashes, may differ between releases).
+cuobjdump comes from the CUDA toolkit or the pip package nvidia-cuda-cuobjdump (pinned in
+requirements-dev.txt: its text format, and so the hashes, may differ between releases).
 """
 
 from __future__ import annotations
