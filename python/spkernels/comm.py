@@ -200,6 +200,10 @@ class Communicator:
             torch.cuda.synchronize(self.device)
             torch.ops.spkernels._comm_destroy(self.handle)
         self._buffer = None
+        # Drop the process group: a closed communicator must not keep it alive past
+        # dist.destroy_process_group(), or its gloo threads die in interpreter teardown, where they
+        # sporadically abort the process ("terminate called without an active exception").
+        self.group = None
 
     def __enter__(self) -> Communicator:
         return self
