@@ -198,8 +198,8 @@ def test_profile_sp_timeline_is_in_time_order():
     assert [s[0] for s in profile_sp.timeline(events, "cuda")] == ["a_pass1", "b_pass2", "a_pass1", "b_pass2"]
 
 
-def test_ncu_summary(tmp_path):
-    """tools/ncu_summary.py on ncu's CSV layouts: the raw page (names, units, one row per kernel)
+def test_stall_summary(tmp_path):
+    """tools/stall_summary.py on ncu's CSV layouts: the raw page (names, units, one row per kernel)
     and the SASS source page (one row per instruction)."""
     raw = tmp_path / "raw.csv"
     raw.write_text(
@@ -217,7 +217,7 @@ def test_ncu_summary(tmp_path):
         '"0x20","BAR.SYNC.DEFER_BLOCKING 0x0","300","0","290"\n'
         '"0x30","IMAD R1, R2, R3, R4","5","0","0"\n'
     )
-    script = str(REPO / "tools" / "ncu_summary.py")
+    script = str(REPO / "tools" / "stall_summary.py")
     out = subprocess.run(
         [sys.executable, script, str(raw), str(sass)], capture_output=True, text=True, check=True
     ).stdout

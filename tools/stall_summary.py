@@ -2,7 +2,7 @@
 
   ncu -i rep.ncu-rep --page raw --csv > raw.csv
   ncu -i rep.ncu-rep --page source --csv --print-source sass > sass.csv
-  python3 tools/ncu_summary.py raw.csv sass.csv
+  python3 tools/stall_summary.py raw.csv sass.csv
 
 Prints the busiest pipes and memory units (percent of their sustained peak), the warp-stall
 reasons (cycles a warp waits per issued instruction, largest first) and the SASS instructions
