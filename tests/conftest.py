@@ -11,6 +11,7 @@ import zlib
 
 import pytest
 import torch
+import torch.distributed as dist
 
 bf16, f32, f64 = torch.bfloat16, torch.float32, torch.float64
 
@@ -135,3 +136,23 @@ def pytest_collection_modifyitems(items):
         name = item.path.name
         if name.startswith("test_cuda_") and name != "test_cuda_compile.py":
             item.add_marker(pytest.mark.gpu)
+
+
+# A module's comm tests share one one-process gloo group (tp = 1 makes reduce-scatter, all-gather
+# and all-reduce identities), created once per module and destroyed after it.
+@pytest.fixture(scope="module")
+def group1(tmp_path_factory):
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    store = tmp_path_factory.mktemp("group1") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def comm1(group1):
+    from spkernels import Communicator  # conftest stays importable without the built library
+
+    with Communicator(group1, max_tokens=32, hidden_size=64) as comm:
+        yield comm

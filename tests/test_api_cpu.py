@@ -12,7 +12,6 @@ import math
 import pytest
 import spkernels
 import torch
-import torch.distributed as dist
 from spkernels import Communicator, MhcParams, Mixes
 from spkernels import reference as ref
 
@@ -165,22 +164,6 @@ def test_params_defaults_are_the_schemas():
 
 
 # ----------------------------------------------------------------------------- comm functions, tp = 1
-@pytest.fixture(scope="module")
-def group1(tmp_path_factory):
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    store = tmp_path_factory.mktemp("group1") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
-@pytest.fixture
-def comm1(group1):
-    with Communicator(group1, max_tokens=32, hidden_size=64) as comm:
-        yield comm
-
-
 @pytest.mark.parametrize("delayed", [True, False], ids=["delayed", "fresh"])
 def test_comm_functions_tp1(mhc, comm1, delayed):
     """At tp = 1 the collectives are identities: each function equals its local counterpart and

@@ -12,7 +12,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 from distributed import run_distributed
 from spkernels import Communicator
 from spkernels import reference as ref
@@ -146,23 +145,6 @@ def test_zero_rows_through_the_ops(mhc):
 
 
 # ----------------------------------------------------------------------------- comm ops at tp = 1
-@pytest.fixture(scope="module")
-def group1(tmp_path_factory):
-    """A one-process gloo group: tp = 1 makes reduce-scatter, all-gather and all-reduce identities."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    store = tmp_path_factory.mktemp("group1") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
-@pytest.fixture
-def comm1(group1):
-    with Communicator(group1, max_tokens=32, hidden_size=64) as comm:
-        yield comm
-
-
 @pytest.mark.parametrize("num_tokens", [1, 17])
 @pytest.mark.parametrize("delayed", [True, False], ids=["delayed", "fresh"])
 def test_comm_ops_tp1(mhc, comm1, num_tokens, delayed):

@@ -11,10 +11,11 @@ import pytest
 import torch
 from distributed import run_distributed
 from spkernels.runner import Model, RunOptions, compare, plan, preset, random_weights, worker
+from spkernels.runner.engine import schedule
 from spkernels.runner.model import Batch
 from spkernels.runner.mtp import MTPLayer
 from spkernels.runner.pipeline import Stage
-from spkernels.runner.speculative import accept, spec_schedule
+from spkernels.runner.speculative import accept
 from spkernels.runner.weights import load_weights, save_weights
 
 # Four requests, K = 2: a verify batch of 12 tokens pads to the capture size 16 (pad rows), its drafts
@@ -229,9 +230,9 @@ def test_spec_schedule_verifies_whole_drafts_within_budget():
     requests = [SpecRequest(i, [1, 2, 3], 8) for i in range(3)]
     for req in requests[:2]:
         req.num_computed, req.generated, req.draft = 3, [4], [5, 6]
-    assert [(r.index, n) for r, n in spec_schedule(requests, budget=7)] == [(0, 3), (1, 3), (2, 1)]
+    assert [(r.index, n) for r, n in schedule(requests, budget=7)] == [(0, 3), (1, 3), (2, 1)]
     # a verify never splits: the second request waits, the prompt takes what is left
-    assert [(r.index, n) for r, n in spec_schedule(requests, budget=5)] == [(0, 3), (2, 2)]
+    assert [(r.index, n) for r, n in schedule(requests, budget=5)] == [(0, 3), (2, 2)]
 
 
 def test_mtp_weights_round_trip(tmp_path):

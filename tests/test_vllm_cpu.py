@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import spkernels
 import torch
-import torch.distributed as dist
 from spkernels.integrations import vllm
 
 f64, bf16 = torch.float64, torch.bfloat16
@@ -185,16 +184,6 @@ def test_sinkhorn_eps_and_pre_eps_go_where_vllm_puts_them(mhc):
 
 
 # ----------------------------------------------------------------------------- boundaries at tp = 1
-@pytest.fixture(scope="module")
-def group1(tmp_path_factory):
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    store = tmp_path_factory.mktemp("group1") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 class GroupCoordinator:
     """The shape of vLLM's group coordinator that communicator_for_group relies on."""
 

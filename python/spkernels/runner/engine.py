@@ -56,6 +56,11 @@ class Request:
     def decoding(self) -> bool:
         return self.num_computed >= len(self.prompt)
 
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens a decode step feeds for this request: its last token (and, speculating, its drafts)."""
+        return 1
+
 
 @dataclass
 class StepInfo:
@@ -81,12 +86,14 @@ class ForwardInfo:
 
 
 def schedule(requests: list[Request], budget: int) -> list[tuple[Request, int]]:
-    """[(request, token count)]: one token per decoding request, then prompt chunks, within budget."""
+    """[(request, token count)]: each decoding request's decode tokens, then prompt chunks, within
+    budget."""
     entries = []
     for req in requests:
-        if not req.done and req.decoding and budget > 0:
-            entries.append((req, 1))
-            budget -= 1
+        count = req.decode_tokens
+        if not req.done and req.decoding and budget >= count:
+            entries.append((req, count))
+            budget -= count
     for req in requests:
         if not req.decoding and budget > 0:
             count = min(len(req.prompt) - req.num_computed, budget)

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from . import pipeline
-from .engine import Engine, ForwardInfo, Request, StepInfo
+from .engine import Engine, ForwardInfo, Request, StepInfo, schedule
 from .model import Batch
 
 DRAFT_MODES = ("mtp", "oracle", "wrong")
@@ -48,6 +48,10 @@ class SpecRequest(Request):
     def tokens(self) -> list[int]:
         return self.prompt + self.generated + self.draft
 
+    @property
+    def decode_tokens(self) -> int:
+        return 1 + len(self.draft)
+
 
 @dataclass
 class SpecStepInfo(StepInfo):
@@ -55,22 +59,6 @@ class SpecStepInfo(StepInfo):
     verified: int = 0  # requests whose drafts this step verified
     drafted: int = 0  # drafts verified that the request could use (not past its max_new_tokens)
     accepted: int = 0  # of those, accepted
-
-
-def spec_schedule(requests: list[SpecRequest], budget: int) -> list[tuple[SpecRequest, int]]:
-    """[(request, token count)]: each decoding request's last token and drafts, then prompt chunks."""
-    entries = []
-    for req in requests:
-        count = 1 + len(req.draft)
-        if not req.done and req.decoding and budget >= count:
-            entries.append((req, count))
-            budget -= count
-    for req in requests:
-        if not req.decoding and budget > 0:
-            count = min(len(req.prompt) - req.num_computed, budget)
-            entries.append((req, count))
-            budget -= count
-    return entries
 
 
 def accept(draft: list[int], target: list[int]) -> int:
@@ -250,7 +238,7 @@ class SpeculativeEngine(Engine):
 
     # ------------------------------------------------------------------ stepping
     def step(self, requests: list[SpecRequest]) -> StepInfo:
-        entries = spec_schedule(requests, self.max_tokens_per_step)
+        entries = schedule(requests, self.max_tokens_per_step)
         decode = all(req.decoding for req, _ in entries)
         num_tokens = sum(count for _, count in entries)
         padded = self.policy.pad(num_tokens, decode)
