@@ -19,9 +19,8 @@ from test_vllm_cpu import POST_MULT, REPEAT, RMS_EPS, vllm_mixes
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 ops = torch.ops.spkernels
 f64 = torch.float64
-# The kernels' own Sinkhorn eps changes every pre kernel's code; until a GPU run has verified that
-# change, the CUDA ops refuse sinkhorn_eps != hc_eps with a RuntimeError, and these tests expect it.
-SINKHORN_EPS_ON_CUDA = False
+# The kernels take their own Sinkhorn eps (set False where a build refuses sinkhorn_eps != hc_eps).
+SINKHORN_EPS_ON_CUDA = True
 needs_sinkhorn_eps = pytest.mark.xfail(
     not SINKHORN_EPS_ON_CUDA,
     raises=RuntimeError,

@@ -11,6 +11,7 @@ struct MhcEps {
   float rms_eps, hc_eps, norm_eps;
   int sinkhorn_iters;
   float post_alpha;
+  float sinkhorn_eps;  // the Sinkhorn's softmax and row/column sums; hc_eps stays the pre weights'
 };
 
 // The coefficient math is a latency-bound chain on one warp (20 Sinkhorn sweeps per row), so it
@@ -54,7 +55,7 @@ __device__ __forceinline__ void mhc_post_res_row(const float* m, float r, const 
     }
     const float inv_s = fast_rcp(s);
 #pragma unroll
-    for (int j = 0; j < kHC; ++j) c[q][j] = c[q][j] * inv_s + eps.hc_eps;
+    for (int j = 0; j < kHC; ++j) c[q][j] = c[q][j] * inv_s + eps.sinkhorn_eps;
   }
   // One column normalisation, then (iters - 1) x (rows, then columns).
   for (int it = 0; it < eps.sinkhorn_iters; ++it) {
@@ -64,14 +65,14 @@ __device__ __forceinline__ void mhc_post_res_row(const float* m, float r, const 
         float rs = 0.f;
 #pragma unroll
         for (int j = 0; j < kHC; ++j) rs += c[q][j];
-        const float inv = fast_rcp(rs + eps.hc_eps);
+        const float inv = fast_rcp(rs + eps.sinkhorn_eps);
 #pragma unroll
         for (int j = 0; j < kHC; ++j) c[q][j] *= inv;
       }
     }
 #pragma unroll
     for (int j = 0; j < kHC; ++j) {
-      const float inv = fast_rcp((c[0][j] + c[1][j]) + (c[2][j] + c[3][j]) + eps.hc_eps);
+      const float inv = fast_rcp((c[0][j] + c[1][j]) + (c[2][j] + c[3][j]) + eps.sinkhorn_eps);
 #pragma unroll
       for (int q = 0; q < kHC; ++q) c[q][j] *= inv;
     }

@@ -112,9 +112,8 @@ inline void check_pre_args(const at::Tensor& stream, const at::Tensor& fn, const
 // sinkhorn_eps: the schemas' optional trailing argument, None = hc_eps.
 inline MhcEps make_eps(double rms_eps, double hc_eps, double norm_eps, int64_t sinkhorn_iters, double post_alpha,
                        c10::optional<double> sinkhorn_eps) {
-  SPK_CHECK(!sinkhorn_eps || *sinkhorn_eps == hc_eps,
-            "sinkhorn_eps different from hc_eps is not supported by the CUDA kernels of this build");
-  return MhcEps{(float)rms_eps, (float)hc_eps, (float)norm_eps, (int)sinkhorn_iters, (float)post_alpha};
+  return MhcEps{(float)rms_eps,      (float)hc_eps,     (float)norm_eps,
+                (int)sinkhorn_iters, (float)post_alpha, (float)sinkhorn_eps.value_or(hc_eps)};
 }
 
 }  // namespace spk
