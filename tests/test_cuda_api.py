@@ -19,14 +19,6 @@ from test_vllm_cpu import POST_MULT, REPEAT, RMS_EPS, vllm_mixes
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 ops = torch.ops.spkernels
 f64 = torch.float64
-# The kernels take their own Sinkhorn eps (set False where a build refuses sinkhorn_eps != hc_eps).
-SINKHORN_EPS_ON_CUDA = True
-needs_sinkhorn_eps = pytest.mark.xfail(
-    not SINKHORN_EPS_ON_CUDA,
-    raises=RuntimeError,
-    strict=True,
-    reason="sinkhorn_eps != hc_eps refused on CUDA",
-)
 
 
 def cuda_site(mhc, D, norm=True, **scalars) -> MhcParams:
@@ -63,7 +55,6 @@ def test_functions_are_the_ops(mhc, T, D):
     )
 
 
-@needs_sinkhorn_eps
 @pytest.mark.parametrize("T,D", [(1, 4096), (17, 4096), (4099, 7168)])
 def test_sinkhorn_eps_apart_from_hc_eps(mhc, T, D):
     """hc_eps on the pre weights, sinkhorn_eps on the Sinkhorn: the CUDA kernels against
@@ -88,7 +79,6 @@ def test_sinkhorn_eps_apart_from_hc_eps(mhc, T, D):
     )
 
 
-@needs_sinkhorn_eps  # vLLM's hc_pre_eps and hc_sinkhorn_eps differ here
 @pytest.mark.parametrize("T", [2, 16, 17, 600])
 def test_vllm_functions_against_vllm_math(mhc, T):
     D = 4096
