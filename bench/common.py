@@ -14,7 +14,6 @@ import math
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -236,35 +235,11 @@ def copy_bandwidth(bench: Bench, nbytes: int = 1 << 30) -> float:
 
 
 # ---------------------------------------------------------------- machine facts
-def _run(cmd: list[str]) -> str:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=20, cwd=REPO).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def machine_info(commit: str | None = None) -> dict:
-    cuda = torch.cuda.is_available()
-    nccl = None
-    if cuda:
-        v = torch.cuda.nccl.version()
-        nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-    driver = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) if cuda else ""
-    commit = commit or os.environ.get("SPK_COMMIT")  # given: taken as is (the GPU machine's .git is stale)
-    if not commit:
-        commit = _run(["git", "rev-parse", "HEAD"]) or "unknown"
-        if commit != "unknown" and _run(["git", "status", "--porcelain", "--untracked-files=no"]):
-            commit += "-dirty"
-    return {
-        "gpu": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "gpus": torch.cuda.device_count() if cuda else 0,
-        "driver": driver.splitlines()[0] if driver else None,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "nccl": nccl,
-        "commit": commit,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
+    """GPU, driver, torch, CUDA, NCCL, commit and date of a run (spkernels.env.machine)."""
+    from spkernels.env import machine
+
+    return machine(commit)
 
 
 class Progress:

@@ -227,6 +227,7 @@ def test_cli_check(tmp_path):
     doc = json.loads((tmp_path / "out" / "runner.json").read_text())
     assert doc["command"].startswith("python -m spkernels.runner --device cpu --tp 2 "), doc["command"]
     assert doc["options"]["tp"] == 2 and doc["check"]["ok"] and doc["machine"]["gpu"] == "cpu"
+    assert {"driver", "torch", "nccl", "commit"} <= set(doc["machine"])
     assert [len(t) for t in doc["tokens"]] == [3, 3, 3]
     kinds = doc["stats"]["step_kinds"]
     assert kinds["prefill"]["steps"] == 1 and kinds["decode"]["steps"] == 2, kinds

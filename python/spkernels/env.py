@@ -6,7 +6,10 @@ compiled and loaded), GPUs, and the Communicator backends available on this mach
 
 from __future__ import annotations
 
+import datetime
 import os
+import subprocess
+from pathlib import Path
 
 import torch
 
@@ -17,6 +20,41 @@ from .version import __version__
 
 # The fused (lsa) path needs the NCCL device API: symmetric-memory windows and LSA pointers.
 LSA_MIN_NCCL = (2, 28)
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        cwd = Path(__file__).resolve().parents[2]  # the checkout, for an editable install
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20, cwd=cwd).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def machine(commit: str | None = None) -> dict:
+    """What a measurement ran on, for its results file: GPU, driver, torch, CUDA, NCCL, commit, date.
+    commit: given, else SPK_COMMIT, else the checkout's git HEAD (``-dirty`` with uncommitted changes
+    to tracked files), else "unknown"."""
+    cuda = torch.cuda.is_available()
+    nccl = None
+    if cuda:
+        v = torch.cuda.nccl.version()
+        nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    driver = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) if cuda else ""
+    commit = commit or os.environ.get("SPK_COMMIT")  # given: taken as is (a copied tree's .git may be stale)
+    if not commit:
+        commit = _run(["git", "rev-parse", "HEAD"]) or "unknown"
+        if commit != "unknown" and _run(["git", "status", "--porcelain", "--untracked-files=no"]):
+            commit += "-dirty"
+    return {
+        "gpu": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "gpus": torch.cuda.device_count() if cuda else 0,
+        "driver": driver.splitlines()[0] if driver else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": nccl,
+        "commit": commit,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def _fmt_version(v: tuple[int, ...] | None) -> str:

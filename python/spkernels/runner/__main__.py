@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
-import subprocess
 import sys
 
-import torch
-
+from .. import env
 from .config import PRESETS
 from .engine import MICROBATCH_MIN_TOKENS
 from .launch import RunOptions, exit_without_teardown, launch
@@ -252,33 +249,12 @@ def report(results: dict) -> bool:
     return check["ok"]
 
 
-def machine() -> dict:
-    """What the results were measured on: device, versions, commit (SPK_COMMIT, else git), date."""
-    cuda = torch.cuda.is_available()
-    commit = os.environ.get("SPK_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(
-                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            commit = "unknown"
-    return {
-        "gpu": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "gpus": torch.cuda.device_count() if cuda else 0,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "commit": commit,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
 def write_results(out_dir: str, results: dict, opts: RunOptions, argv: list[str]) -> str:
     """DIR/runner.json: the results without the logits (tensors; --record-logits keeps them in memory)."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "runner.json")
     doc = {
-        "machine": machine(),
+        "machine": env.machine(),
         "command": "python -m spkernels.runner " + " ".join(argv),
         "options": dataclasses.asdict(opts),
         **{k: v for k, v in results.items() if k != "logits"},
