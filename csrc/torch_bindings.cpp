@@ -82,6 +82,13 @@ TORCH_LIBRARY(spkernels, m) {
         &spk::launch_plan);
   // Raises if a fused kernel's barrier timed out (lsa_barrier.cuh); kernel in csrc/ops/comm.cu.
   m.def("_comm_check(int comm) -> ()");
+  // The model runner's glue (python/spkernels/runner/glue.py; CUDA kernels in csrc/ops/runner_ops.cu):
+  // rotary embedding of q (in place) and k with k and v stored into a layer's KV cache at (row,
+  // position); bf16(silu(gate) * up).
+  m.def(
+      "_rope_kv_cache(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor rows, "
+      "Tensor positions) -> ()");
+  m.def("_silu_mul(Tensor gate_up) -> Tensor");
 #ifdef SPK_WITH_CUDA
   m.def("_nccl_unique_id() -> int[]", &spk::nccl_unique_id);
   m.def(

@@ -27,7 +27,6 @@ from spkernels.runner import (
     schedule,
     worker,
 )
-from spkernels.runner import model as model_mod
 from spkernels.runner import profile as profile_mod
 from spkernels.runner import weights as weights_mod
 from torch.autograd import DeviceType
@@ -140,27 +139,6 @@ def test_chunked_prefill_one_process(reference):
     assert max(n for n, *_ in results["steps"]) <= 7
     assert len(results["steps"]) > len(reference["steps"])
     assert_matches(results, reference)
-
-
-@pytest.mark.slow
-def test_compiled_glue_matches_one_process(reference):
-    """--compile-glue (torch.compile of rope_qkv and silu_mul; slow: it compiles) gives the eager
-    run's tokens, and logits within the check's tolerance."""
-    assert_matches(worker(0, 1, options(tp=1, sp_threshold=None, compile_glue=True)), reference)
-
-
-def test_glue_functions_match_the_eager_glue():
-    """rope_qkv and silu_mul (what --compile-glue compiles) compute what the in-place eager glue does."""
-    torch.manual_seed(0)
-    qkv = torch.randn(5, 3, 4, 16).to(torch.bfloat16)
-    freqs = torch.arange(5.0)[:, None, None, None] * 10000.0 ** (-torch.arange(8.0) / 8)
-    q, kv = model_mod.rope_qkv(qkv, freqs.cos(), freqs.sin())
-    Model._rope_(qkv[:, :2], freqs.cos(), freqs.sin())
-    assert torch.equal(q, qkv[:, 0]) and torch.equal(kv, qkv[:, 1:])
-    gate, up = torch.randn(2, 7, 32).to(torch.bfloat16)
-    assert torch.equal(
-        model_mod.silu_mul(gate, up), torch.mul(torch.nn.functional.silu(gate.float()), up).bfloat16()
-    )
 
 
 def test_weights_round_trip(tmp_path, monkeypatch, reference):

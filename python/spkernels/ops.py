@@ -370,3 +370,58 @@ def _(partial, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_
     y = _reduce_rows(partial, c, slice(0, T))
     site = (fn, scale, base, norm_weight, pre_mix_in, *eps)
     return ref.mhc_post_pre(y, stream, post_mix, res_mix, *site, sinkhorn_eps=sinkhorn_eps)
+
+
+# ----------------------------------------------------------------------------- the runner's glue
+# Internal ops of the model runner (runner/glue.py); CUDA kernels in csrc/ops/runner_ops.cu, which
+# compute these exact operations (fp32 products, one bf16 rounding per output).
+def _check_rope_args(qkv, cos, sin, kv_cache, rows, positions) -> None:
+    _check_tensor("qkv", qkv, bf16, (None, 3, None, None))
+    T, _, H, hd = qkv.shape
+    if hd % 16:
+        raise ValueError(f"qkv's head_dim must be a multiple of 16, got {hd}")
+    _check_tensor("kv_cache", kv_cache, bf16, (2, None, H, None, hd))
+    for name, t in (("cos", cos), ("sin", sin)):
+        ok = isinstance(t, torch.Tensor) and t.dtype == f32 and t.is_contiguous() and t.numel() == T * hd // 2
+        if not ok:
+            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"{name} must be a contiguous float32 tensor of [T, head_dim / 2] = [{T}, {hd // 2}] "
+                f"values, got {got}"
+            )
+    for name, t in (("rows", rows), ("positions", positions)):
+        _check_tensor(name, t, torch.int64, (T,))
+    for name, t, size in (("rows", rows, kv_cache.shape[1]), ("positions", positions, kv_cache.shape[3])):
+        if T and (int(t.min()) < 0 or int(t.max()) >= size):
+            raise ValueError(f"{name} must be in [0, {size}) (kv_cache's size), got {t.min()}..{t.max()}")
+
+
+@torch.library.register_fake(f"{_lib}::_rope_kv_cache")
+def _(qkv, cos, sin, kv_cache, rows, positions):
+    return None
+
+
+@torch.library.register_kernel(f"{_lib}::_rope_kv_cache", "cpu")
+def _(qkv, cos, sin, kv_cache, rows, positions):
+    _check_rope_args(qkv, cos, sin, kv_cache, rows, positions)
+    T, _, _, hd = qkv.shape
+    c, s = cos.view(T, 1, 1, hd // 2), sin.view(T, 1, 1, hd // 2)
+    x1, x2 = qkv[:, :2].chunk(2, dim=-1)  # q and k together, in place
+    a, b, x1s = x1 * c, x2 * s, x1 * s  # bf16 x fp32 -> fp32: exactly x1.float() * c
+    torch.sub(a, b, out=x1)
+    torch.add(x1s, x2 * c, out=x2)
+    kv_cache[:, rows, :, positions] = qkv[:, 1:]  # [T, 2, H, hd] -> (row, position) of k and v
+
+
+@torch.library.register_fake(f"{_lib}::_silu_mul")
+def _(gate_up):
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+@torch.library.register_kernel(f"{_lib}::_silu_mul", "cpu")
+def _(gate_up):
+    _check_tensor("gate_up", gate_up, bf16, (None, None))
+    if gate_up.shape[1] % 16:
+        raise ValueError(f"gate_up must have shape [T, 2F] with F a multiple of 8, got {list(gate_up.shape)}")
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.mul(torch.nn.functional.silu(gate.float()), up, out=up.new_empty(up.shape))

@@ -158,12 +158,6 @@ def parse_args(argv=None) -> RunOptions:
         "time on cuda); profiling slows the run, so take throughput from a run without it",
     )
     p.add_argument(
-        "--compile-glue",
-        action="store_true",
-        help="torch.compile the model's elementwise glue (rotary embedding, SiLU-and-mul): one kernel "
-        "each; compiles on the first forwards (keep --warmup)",
-    )
-    p.add_argument(
         "--out",
         default=None,
         metavar="DIR",

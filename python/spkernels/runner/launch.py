@@ -67,7 +67,6 @@ class RunOptions:
     check_graphs: bool = False
     record_logits: bool = False
     profile: bool = False  # time by category (mHC, NCCL, attention, GEMM, other) of the measured run
-    compile_glue: bool = False  # torch.compile the rotary and SiLU-and-mul glue (Model.compile_glue)
     load_weights: str | None = None
     save_weights: str | None = None
     verbose: bool = True
@@ -423,8 +422,6 @@ def worker(rank: int, world_size: int, opts: RunOptions) -> dict | None:
         comm = Communicator(group, max_tokens=plan_.comm_capacity, hidden_size=config.hidden_size)
     try:
         model = Model(config, weights, device, comm, len(plan_.prompts), plan_.kv_len, stage)
-        if opts.compile_glue:
-            model.compile_glue()
         mtp = None
         if opts.mtp is not None:  # (the draft layer on the last stage, else None)
             layer = None

@@ -21,23 +21,9 @@ import torch.nn.functional as F
 
 from .. import api
 from ..api import Mixes
-from . import engram, moe, pipeline
+from . import engram, glue, moe, pipeline
 from .config import ModelConfig
 from .weights import shard
-
-
-def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The attention glue as one function, for torch.compile (Model.compile_glue): bf16 qkv
-    [T, 3, heads, hd] -> (q [T, heads, hd], kv [T, 2, heads, hd]) with q and k rotated (fp32 math,
-    rounded to bf16 once) and v next to k, ready for the one indexed cache write."""
-    x1, x2 = qkv[:, :2].float().chunk(2, dim=-1)
-    rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(qkv.dtype)
-    return rotated[:, 0], torch.stack([rotated[:, 1], qkv[:, 2]], dim=1)
-
-
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The FFN glue: bf16(silu(gate) * up) in fp32."""
-    return (F.silu(gate.float()) * up.float()).to(torch.bfloat16)
 
 
 @dataclass
@@ -128,7 +114,6 @@ class Model:
         # decode attention then cannot scatter one query per cache row (_attend_in_place).
         self.queries_share_rows = False
         self._forward_tables: tuple = (None, None)  # (batch, tables) of the forward running (_tables)
-        self._glue = None  # compiled rope_qkv and silu_mul (compile_glue); None: eager
         self.peak_stream_bytes = 0
         self.pending_sends: list = []  # (work, buffer) of this stage's sends in flight (pipeline.isend)
         # With an MTP draft (mtp.py) the last stage keeps each forward's whole pre-head stream, flat
@@ -164,37 +149,15 @@ class Model:
             self._forward_tables = (batch, tables)
         return self._forward_tables[1]
 
-    @staticmethod
-    def _rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Rotary embedding in place on bf16 x [T, n, heads, hd] (q and k together): the products in
-        fp32, each half rounded to bf16 once, as it is written back; no fp32 copy of x, no cat."""
-        x1, x2 = x.chunk(2, dim=-1)
-        a, b, c = x1 * cos, x2 * sin, x1 * sin  # bf16 x fp32 -> fp32: exactly x1.float() * cos
-        torch.sub(a, b, out=x1)
-        torch.add(c, x2 * cos, out=x2)
-
-    def compile_glue(self) -> None:
-        """torch.compile the elementwise glue around the attention and the FFN (rope_qkv, silu_mul):
-        one generated kernel each instead of several eager ones. Dynamic in T (no recompile per
-        step size); the first forward of each new shape class compiles, which the warm-up and the
-        graph capture's own warm-up forwards absorb. Numerics: the same fp32 math, but a generated
-        kernel may contract multiply-adds (FMA), so logits differ from the eager glue by bf16 noise."""
-        compile_ = lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)  # noqa: E731
-        self._glue = {"rope": compile_(rope_qkv), "act": compile_(silu_mul)}
-
     def attention(self, index: int, layer_input: torch.Tensor, batch: Batch) -> torch.Tensor:
         layer = self.layers[index]
         tables = self._tables(index, batch)
         T, heads, hd = layer_input.shape[0], self.local_heads, self.config.head_dim
         qkv = (layer_input @ layer["wqkv"].t()).view(T, 3, heads, hd)
-        if self._glue is not None:
-            q, kv = self._glue["rope"](qkv, tables["cos"], tables["sin"])
-        else:
-            self._rope_(qkv[:, :2], tables["cos"], tables["sin"])
-            q, kv = qkv[:, 0], qkv[:, 1:]
-        # K and V of every token into the cache in one indexed write: [T, 2, heads, hd] -> rows x positions
-        self.kv_cache[index][:, batch.rows, :, batch.positions] = kv
-        k_cache, v_cache = self.kv_cache[index]
+        # q and k rotated, k and v into the cache at each token's (row, position): one kernel
+        cache = self.kv_cache[index]
+        q = glue.rope_kv_cache(qkv, tables["cos"], tables["sin"], cache, batch.rows, batch.positions)
+        k_cache, v_cache = cache
         if batch.segments is None:
             out = self._decode_attention(q, k_cache, v_cache, batch, tables["visible"])
         else:
@@ -259,13 +222,7 @@ class Model:
 
     def ffn(self, index: int, layer_input: torch.Tensor) -> torch.Tensor:
         layer = self.layers[index]
-        gate, up = (layer_input @ layer["w_gate_up"].t()).chunk(2, dim=-1)
-        # fp32 product rounded to bf16 as it is written: (silu(gate) * up).to(bf16) without the fp32
-        # copy of up or of the product
-        if self._glue is not None:
-            act = self._glue["act"](gate, up)
-        else:
-            act = torch.mul(F.silu(gate.float()), up, out=up.new_empty(up.shape))
+        act = glue.silu_mul(layer_input @ layer["w_gate_up"].t())
         if "router" not in layer:
             return self._row_parallel(act, layer["w_down"])
         # MoE: this rank's shard of the shared expert plus its own routed experts, one bf16 partial

@@ -46,10 +46,14 @@ CATEGORIES = (
     ),
 )
 LABELS = tuple(label for label, _ in CATEGORIES) + ("other",)
+# spkernels' own model-glue ops and kernels (runner/glue.py) are glue: "other", not mHC.
+GLUE = ("spk::glue::", "spkernels::_rope_kv_cache", "spkernels::_silu_mul")
 
 
 def category(name: str) -> str:
     low = name.lower()
+    if any(f in low for f in GLUE):
+        return "other"
     for label, fragments in CATEGORIES:
         if any(f in low for f in fragments):
             return label
