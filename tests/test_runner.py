@@ -655,3 +655,37 @@ def test_gpu_overlap_matches_synchronous_steps():
         assert_same_run(got, want)
     for kind, entry in results["profiled"]["stats"]["step_kinds"].items():
         assert entry["steps"] and 0 < entry["gpu_busy_ms"] <= 1.05 * entry["wall_ms"], (kind, entry)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_overlapped_generation_syncs_only_to_read_tokens():
+    """A whole overlapped generation (prefill, chunks next to decode rows, graph replays) runs under
+    torch.cuda.set_sync_debug_mode("error") except where the engine reads a finished step's tokens
+    (Engine._resolve), and gives the synchronous steps' tokens."""
+    p = plan(options(device="cuda", prompt_lens=(5, 40), gen=4, sp_threshold=None, capture_sizes=(2,)))
+    model = Model(p.config, random_weights(p.config, 0, torch.device("cuda")), "cuda", None, 2, p.kv_len)
+    engine = Engine(model, p.policy, 16)  # the 40-token prompt in chunks
+    engine.capture(2)
+    resolve, resolved = engine._resolve, []
+
+    def resolve_allowed(step):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            resolve(step)
+            resolved.append(step)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    engine.overlap = False  # the same graphs, synchronous steps: the tokens to get
+    want = [r.generated for r in engine.generate(p.prompts, 4)]
+    engine.overlap, engine._resolve, engine.meet = True, resolve_allowed, lambda: None
+    engine.steps.clear()
+    torch.cuda.synchronize()  # the meeting's drain
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        requests = engine.generate(p.prompts, 4)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(resolved) == len(engine.steps) and engine.stats()["graph_steps"] > 0
+    assert [r.generated for r in requests] == want
