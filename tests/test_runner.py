@@ -29,7 +29,10 @@ from spkernels.runner import (
 )
 from spkernels.runner import profile as profile_mod
 from spkernels.runner import weights as weights_mod
+from spkernels.runner.__main__ import parse_args
+from spkernels.runner.engine import PENDING
 from torch.autograd import DeviceType
+from torch.overrides import TorchFunctionMode
 
 # Prompt lengths 1, 3 and 5 are tp - 1 and tp + 1 for tp = 2 and tp = 4 (so some ranks own only pad
 # rows of a shard), 40 is the long one; five requests make every decode batch pad up to the capture
@@ -100,6 +103,34 @@ def assert_policy_steps(results: dict, opts: RunOptions) -> set[tuple[bool, bool
         assert graph == (p.graphs and decode and p.policy.graph_size(num_tokens, True) is not None)
         seen.add((use_sp, graph))
     return seen
+
+
+# Tensor calls that hand a device value to the host: on a GPU each waits for every kernel enqueued
+# before it, so the host could no longer enqueue work ahead of its GPU (a pipeline stage microbatch
+# k + 1 while it runs k; the engine step n + 1 while it runs n).
+HOST_READS = {"item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__"}
+
+
+class HostReads(TorchFunctionMode):
+    """Records the HOST_READS among the torch calls made inside it (``with``) or inside the methods
+    it ``watch``es. CPU tensors take the same calls as CUDA ones, so a CPU run shows what would
+    synchronise on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in HOST_READS:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+    def watch(self, method):
+        def watched(*args, **kwargs):
+            with self:
+                return method(*args, **kwargs)
+
+        return watched
 
 
 def test_reference_shape(reference):
@@ -272,7 +303,9 @@ def step_op_counts(prompt_lens) -> list[dict[str, int]]:
     model = Model(
         p.config, random_weights(p.config, 0, torch.device("cpu")), "cpu", None, len(p.prompts), p.kv_len
     )
-    engine = Engine(model, p.policy, 64)
+    # Synchronous steps: each step() call is then exactly its own forward's ops (overlapped, a decode
+    # step also gathers its inputs from the previous step's ids: the engine's two ops, not the model's).
+    engine = Engine(model, p.policy, 64, overlap=False)
     requests = [Request(i, list(prompt), 2) for i, prompt in enumerate(p.prompts)]
     counts = []
     for _ in range(2):
@@ -353,20 +386,113 @@ def test_profile_coverage_counts_overlaps_once():
     ), line
 
 
-def test_step_clock_starts_after_the_ranks_meet():
-    """Each step calls meet once, before its clock starts: a rank's wait for lagging peers is not
-    counted as the step's time."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_step_clock_starts_after_the_ranks_meet(overlap):
+    """Synchronous steps call meet once each, before their clock starts; overlapped steps meet once
+    per generation, before the first step's clock starts (a meeting per step would drain the device
+    and undo the overlap). A rank's wait for lagging peers is never counted as a step's time, and
+    overlapped, the steps' times add up to the generation's (each from the previous one's end)."""
     p = plan(options(prompt_lens=(3, 5), gen=3))
     model = Model(p.config, random_weights(p.config, 0, torch.device("cpu")), "cpu", None, 2, p.kv_len)
     calls, pause = [], [0.0]
-    engine = Engine(model, p.policy, 64, meet=lambda: (calls.append(1), time.sleep(pause[0])))
+    meet = lambda: (calls.append(1), time.sleep(pause[0]))  # noqa: E731
+    engine = Engine(model, p.policy, 64, meet=meet, overlap=overlap)
     engine.generate(p.prompts, 3)  # first-call costs (a CPU prefill's first step took 0.8 s)
     calls.clear()
     engine.steps.clear()
     pause[0] = 0.5
+    begin = time.perf_counter()
     engine.generate(p.prompts, 3)
-    assert len(calls) == len(engine.steps) == 3
-    assert all(step.seconds < 0.5 for step in engine.steps), engine.steps
+    seconds = time.perf_counter() - begin
+    assert len(engine.steps) == 3 and len(calls) == (1 if overlap else 3)
+    assert all(0 < step.seconds < 0.5 for step in engine.steps), engine.steps
+    if overlap:
+        assert seconds - 0.5 >= sum(step.seconds for step in engine.steps) > 0.5 * (seconds - 0.5)
+
+
+# name -> options: each runs overlapped and synchronous. Chunked: prompt chunks next to decode rows
+# whose tokens are still on the device; microbatched: several forwards take the previous step's ids.
+OVERLAP_CASES = {
+    "tp1": options(tp=1, sp_threshold=None),
+    "tp1-chunked-mb": options(tp=1, sp_threshold=None, max_tokens_per_step=12, microbatches=2,
+                              microbatch_min_tokens=4),
+    "tp2-sp": options(tp=2, sp_threshold=16),
+    "tp2-nosp": options(tp=2, sp_threshold=None),
+    "tp2-sp-chunked": options(tp=2, sp_threshold=8, max_tokens_per_step=12),
+}  # fmt: skip
+
+
+def assert_same_run(got: dict, want: dict) -> None:
+    """Tokens, logits and steps (all but their times) bitwise equal."""
+    assert got["tokens"] == want["tokens"]
+    assert len(got["logits"]) == len(want["logits"])
+    for a, b in zip(got["logits"], want["logits"], strict=True):
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+    assert [s[:-1] for s in got["steps"]] == [s[:-1] for s in want["steps"]]
+    assert got["forwards"] == want["forwards"]
+
+
+def test_overlap_matches_synchronous_steps():
+    """Overlapped steps (the next one enqueued before the last one's tokens reach the host) give the
+    synchronous steps' tokens, logits and schedule bitwise, at tp = 1 and 2, with and without SP."""
+    cases = {}
+    for name, opts in OVERLAP_CASES.items():
+        cases[name] = opts
+        cases[name + "-sync"] = dataclasses.replace(opts, overlap=False)
+    results = run_all(cases)
+    for name in OVERLAP_CASES:
+        got, want = results[name], results[name + "-sync"]
+        assert got["stats"]["overlap"] and not want["stats"]["overlap"], name
+        assert_same_run(got, want)
+    mb = results["tp1-chunked-mb"]
+    assert len(mb["forwards"]) > len(mb["steps"])  # some steps ran several forwards
+    assert {s[2] for s in results["tp2-sp"]["steps"]} == {True, False}  # SP prefill, TP decode
+
+
+def test_overlapped_steps_read_tokens_only_after_the_next_step():
+    """An overlapped step reads no device value on the host (on a GPU each read would wait for every
+    kernel enqueued before it): the only reads are of a step's tokens once the next step is enqueued
+    (the last step's in finish). Until then its tokens are PENDING, and the next step's decode rows
+    take them on the device."""
+    p = plan(options(prompt_lens=(3, 40, 5), gen=4, sp_threshold=None))
+    model = Model(p.config, random_weights(p.config, 0, torch.device("cpu")), "cpu", None, 3, p.kv_len)
+    engine = Engine(model, p.policy, 16)  # the 40-token prompt in chunks, next to decode rows
+    reads, resolved, takes = HostReads(), [], []
+    resolve, build = engine._resolve, engine.build_batch
+
+    def watched_resolve(step):
+        first = len(reads.calls)
+        resolved.append((next(i for i, s in enumerate(engine.steps) if s is step.info), len(engine.steps)))
+        resolve(step)
+        del reads.calls[first:]  # the reads it is there for
+
+    def watched_build(entries, padded, decode):
+        takes.append(sum(req.tokens[req.num_computed + n - 1] == PENDING for req, n in entries))
+        return build(entries, padded, decode)
+
+    engine._resolve, engine.build_batch = watched_resolve, watched_build
+    with reads:
+        requests = engine.generate(p.prompts, 4)
+    assert reads.calls == [], reads.calls
+    steps = len(engine.steps)
+    assert resolved == [(i, i + 2) for i in range(steps - 1)] + [(steps - 1, steps)], resolved
+    assert takes[0] == 0 and all(n > 0 for n in takes[1:]), takes
+    assert all(PENDING not in req.generated and len(req.generated) == 4 for req in requests)
+    sync = Engine(model, p.policy, 16, overlap=False)
+    assert [r.generated for r in sync.generate(p.prompts, 4)] == [r.generated for r in requests]
+
+
+def test_overlap_applies_where_the_schedule_ignores_tokens():
+    """Overlap is on by default; off with overlap=False, pipeline stages, Engram (its hashes need the
+    tokens on the host) and speculative decoding (its schedule depends on acceptance)."""
+    p = plan(options(prompt_lens=(3, 5), gen=2, sp_threshold=None))
+    weights = random_weights(p.config, 0, torch.device("cpu"))
+    model = Model(p.config, weights, "cpu", None, 2, p.kv_len)
+    assert Engine(model, p.policy, 64).overlap and not Engine(model, p.policy, 64, overlap=False).overlap
+    config = p.config.replace(engram_layers=(1,))
+    engram = Model(config, random_weights(config, 0, torch.device("cpu")), "cpu", None, 2, p.kv_len)
+    assert not Engine(engram, p.policy, 64).overlap
+    assert parse_args(["--no-overlap"]).overlap is False and parse_args([]).overlap is True
 
 
 def test_schedule_decode_first_within_budget():
@@ -484,3 +610,61 @@ def test_gpu_forward_without_host_sync():
         kinds.add((decode, graph))
         engine.step(requests)  # the real step (same K/V rewritten), tokens read
     assert kinds == {(False, False), (True, True)}, kinds  # prefill (mixed with decode rows), replays
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_overlap_matches_synchronous_steps():
+    """On CUDA with decode graphs, overlapped steps (each replay fed the previous step's ids on the
+    device, tokens and logits through pinned copies read a step late) give the synchronous steps'
+    tokens and logits bitwise, in pure decode replays and in chunked steps that mix prompt chunks with
+    decode rows. Profiled, every step kind's kernels fall in its steps' ranges: GPU busy within wall."""
+    base = {
+        "graphs": options(device="cuda", sp_threshold=None),
+        "graphs-chunked": options(device="cuda", sp_threshold=None, max_tokens_per_step=12),
+    }
+    cases = {"profiled": dataclasses.replace(base["graphs"], profile=True)}
+    for name, opts in base.items():
+        cases[name] = opts
+        cases[name + "-sync"] = dataclasses.replace(opts, overlap=False)
+    results = run_all(cases)
+    for name in (*base, "profiled"):
+        got, want = results[name], results[name.replace("profiled", "graphs") + "-sync"]
+        assert got["stats"]["overlap"] and got["stats"]["graph_steps"] > 0, got["stats"]
+        assert_same_run(got, want)
+    for kind, entry in results["profiled"]["stats"]["step_kinds"].items():
+        assert entry["steps"] and 0 < entry["gpu_busy_ms"] <= 1.05 * entry["wall_ms"], (kind, entry)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_overlapped_generation_syncs_only_to_read_tokens():
+    """A whole overlapped generation (prefill, chunks next to decode rows, graph replays) runs under
+    torch.cuda.set_sync_debug_mode("error") except where the engine reads a finished step's tokens
+    (Engine._resolve), and gives the synchronous steps' tokens."""
+    p = plan(options(device="cuda", prompt_lens=(5, 40), gen=4, sp_threshold=None, capture_sizes=(2,)))
+    model = Model(p.config, random_weights(p.config, 0, torch.device("cuda")), "cuda", None, 2, p.kv_len)
+    engine = Engine(model, p.policy, 16)  # the 40-token prompt in chunks
+    engine.capture(2)
+    resolve, resolved = engine._resolve, []
+
+    def resolve_allowed(step):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            resolve(step)
+            resolved.append(step)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    engine.overlap = False  # the same graphs, synchronous steps: the tokens to get
+    want = [r.generated for r in engine.generate(p.prompts, 4)]
+    engine.overlap, engine._resolve, engine.meet = True, resolve_allowed, lambda: None
+    engine.steps.clear()
+    torch.cuda.synchronize()  # the meeting's drain
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        requests = engine.generate(p.prompts, 4)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(resolved) == len(engine.steps) and engine.stats()["graph_steps"] > 0
+    assert [r.generated for r in requests] == want

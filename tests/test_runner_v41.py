@@ -33,8 +33,7 @@ from spkernels.runner import (
 from spkernels.runner.__main__ import main, report
 from spkernels.runner.engine import split_microbatches
 from spkernels.runner.launch import preset_config
-from test_runner import assert_matches, assert_policy_steps, run_configs
-from torch.overrides import TorchFunctionMode
+from test_runner import HostReads, assert_matches, assert_policy_steps, run_configs
 
 # Five prompts of lengths 1, 3, 5, 40, 2 (not tp multiples: shards with pad rows at tp = 2); the
 # tiny preset has 2 layers, so pp = 2 puts layer 1, V4.1's default Engram layer, first on stage 1.
@@ -394,32 +393,6 @@ def test_microbatch_count_is_reported(bitwise_layouts, capsys):
 def test_cli_rejects_bad_microbatches(capsys):
     assert main(["--device", "cpu", "--pp", "2", "--microbatches", "0"]) == 2
     assert "--microbatches must be an int >= 1" in capsys.readouterr().err
-
-
-# Tensor calls that hand a device value to the host: on a GPU each waits for every kernel enqueued
-# before it, so a stage could no longer enqueue microbatch k + 1 while its GPU runs k.
-HOST_READS = {"item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__"}
-
-
-class HostReads(TorchFunctionMode):
-    """Records the HOST_READS among the torch calls of the methods it ``watch``es. CPU tensors take
-    the same calls as CUDA ones, so a CPU run shows what would synchronise on a GPU."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", None) in HOST_READS:
-            self.calls.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-    def watch(self, method):
-        def watched(*args, **kwargs):
-            with self:
-                return method(*args, **kwargs)
-
-        return watched
 
 
 def run_watching_host_reads(rank: int, world_size: int, configs: list[RunOptions]) -> list[list[str]]:

@@ -134,6 +134,13 @@ def parse_args(argv=None) -> RunOptions:
         "--no-graphs", dest="graphs", action="store_false", default=None, help="run decode steps eagerly"
     )
     p.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="run every step synchronously (build, forward, read the tokens) instead of enqueuing step "
+        "n + 1 while the GPU runs step n (on by default; never with --mtp, --pp > 1 or Engram layers)",
+    )
+    p.add_argument(
         "--comm-max-tokens",
         type=int,
         default=None,

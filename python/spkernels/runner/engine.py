@@ -14,6 +14,16 @@ in one forward. A step of N tokens is split into at most N // ``microbatch_min_t
 least one): every forward costs the host a fixed time to enqueue, and a stage whose microbatches are
 too small to keep the GPU busy for that long is host-bound, so splitting it only adds forwards. Small
 steps, pure decode steps in particular, run as one forward.
+
+Overlap (the default where it applies): because the schedule never looks at token values, step n + 1
+is scheduled, built and enqueued while the GPU still runs step n. A step's greedy tokens stay on the
+device (a decode input not yet on the host is gathered there from the previous step's ids) and
+reach the host through a non-blocking copy that the host reads only after enqueuing the next step,
+so the GPU does not idle while the host builds a batch or reads tokens. It needs a schedule that
+ignores token values (not SpeculativeEngine's), sampling on every rank (pp = 1) and inputs the
+device can complete (no Engram hashes, which the host computes from the token history); elsewhere,
+and with ``overlap=False``, each step runs synchronously: devices drained and ranks met, build,
+forward, tokens read.
 """
 
 from __future__ import annotations
@@ -27,6 +37,10 @@ from ..policy import SPPolicy
 from . import engram, pipeline
 from .model import Batch, Model
 from .profile import STEP_RANGE
+
+# A generated token the host has not read yet (overlap): its value is on the device, among the ids
+# its step sampled. Token ids are never negative.
+PENDING = -1
 
 # A forward costs the host a fixed time to enqueue and the GPU a time per token. Eagerly, on the H200
 # machine, v4-flash-like's 2 layers per stage take the host ~2 ms (PP2 decode: 4.66 ms per step of
@@ -65,7 +79,10 @@ class Request:
 @dataclass
 class StepInfo:
     """One step. With microbatches: ``padded`` sums the forwards' padded counts, ``use_sp`` is whether
-    any forward ran SP, ``graph`` whether all replayed a graph (ForwardInfo has each forward)."""
+    any forward ran SP, ``graph`` whether all replayed a graph (ForwardInfo has each forward).
+    ``seconds``: synchronous, from the step's start (devices drained, ranks met) to its tokens on the
+    host; overlapped, from the previous step's completion (the first step: from the meeting) to its
+    own, so the steps' times add up to the generation's."""
 
     num_tokens: int
     padded: int
@@ -83,6 +100,21 @@ class ForwardInfo:
     use_sp: bool
     graph: bool
     prefill_tokens: int
+
+
+@dataclass
+class InFlight:
+    """An overlapped step whose tokens are still on their way to the host."""
+
+    info: StepInfo
+    kind: str  # its profile range: "prefill" or "decode"
+    ids: torch.Tensor  # the sampled ids on the device, one per sample
+    host_ids: torch.Tensor  # their host copy (pinned; on cpu the ids themselves)
+    host_logits: torch.Tensor | None  # record_logits: the sampled rows' fp32 logits on the host
+    samples: list[tuple[Request, int]]  # (request, index of its PENDING token in generated)
+    sample_of: dict[int, int]  # request index -> its row of ids
+    done: torch.cuda.Event | None  # recorded after the copies; None on cpu (done when enqueued)
+    completed: bool = False  # its clock stopped and its profile range closed
 
 
 def schedule(requests: list[Request], budget: int) -> list[tuple[Request, int]]:
@@ -134,6 +166,7 @@ class Engine:
         microbatches: int = 1,
         microbatch_min_tokens: int = MICROBATCH_MIN_TOKENS,
         meet=None,
+        overlap: bool = True,
     ):
         if policy.tp_size != model.tp_size:
             raise ValueError(f"policy.tp_size = {policy.tp_size} but the model runs on tp = {model.tp_size}")
@@ -161,6 +194,13 @@ class Engine:
         # Profiled runs (launch sets it): each timed step inside a record_function range named for its
         # kind, so the profile splits wall and GPU time by prefill / decode (profile.by_step_kind).
         self.label_steps = False
+        self._range = None  # the open step range
+        # Overlap step n + 1's host work with step n's device work (module docstring): where the
+        # last stage samples on every rank and no input needs the host to know the tokens.
+        pp = model.stage.pp_size if model.stage is not None else 1
+        self.overlap = overlap and pp == 1 and not model.config.engram_layers
+        self.inflight: list[InFlight] = []  # oldest first; at most one between steps
+        self._clock = 0.0  # overlap: when the last completed step completed
 
     # ------------------------------------------------------------------ batches
     def _tensor(self, values):
@@ -180,13 +220,17 @@ class Engine:
         return batch
 
     def build_batch(self, entries, padded: int, decode: bool) -> tuple[Batch, list[tuple[Request, int]]]:
-        """The step's Batch and [(request, batch row)] of the rows to sample."""
+        """The step's Batch and [(request, batch row)] of the rows to sample. A decode token that is
+        still PENDING is taken on the device from the ids of the step in flight that sampled it."""
         m = self.model
         cfg = m.config
         ids, positions, rows, seq_lens, segments, samples, hashes = [], [], [], [], [], [], []
+        take = []  # (batch row, row of the in-flight step's ids) per PENDING token
         for req, count in entries:
             start, first = req.num_computed, len(ids)
             ids += req.tokens[start : start + count]
+            if count and ids[-1] == PENDING:  # only a request's last token can be
+                take.append((len(ids) - 1, self.inflight[-1].sample_of[req.index]))
             positions += range(start, start + count)
             rows += [req.index] * count
             seq_lens += range(start + 1, start + count + 1)
@@ -207,8 +251,15 @@ class Engine:
         if cfg.engram_layers:  # pad rows hash to the tables' zero row
             hashes += [[cfg.engram_table_size] * len(cfg.engram_orders)] * pad
             columns += [list(col) for col in zip(*hashes, strict=True)]
+        if take:  # a gather over [this batch's ids, the in-flight ids]: row i, or padded + its id row
+            source = list(range(padded))
+            for row, j in take:
+                source[row] = padded + j
+            columns.append(source)
         packed = self._tensor(columns)
         input_ids, positions_t, rows_t, seq_lens_t = packed[:4].unbind(0)
+        if take:
+            input_ids = torch.cat((input_ids, self.inflight[-1].ids))[packed[-1]]
         batch = Batch(
             input_ids=input_ids,
             positions=positions_t,
@@ -217,7 +268,7 @@ class Engine:
             num_tokens=num_tokens,
             segments=None if decode else segments,
             sample_idx=None if decode else self._tensor([row for _, row in samples]),
-            hash_ids=packed[4:].t().contiguous() if cfg.engram_layers else None,
+            hash_ids=packed[4 : 4 + len(cfg.engram_orders)].t().contiguous() if cfg.engram_layers else None,
         )
         return batch, samples
 
@@ -275,22 +326,22 @@ class Engine:
             return logits
         return self._replay(batch)
 
-    def step(self, requests: list[Request]) -> StepInfo:
+    def _plan(self, requests: list[Request]):
+        """-> (entries, decode, [(ForwardInfo, entries)] per microbatch) of the next step."""
         entries = schedule(requests, self.max_tokens_per_step)
         decode = all(req.decoding for req, _ in entries)  # every microbatch takes the step's path
-        forwards = []  # ForwardInfo and entries per microbatch
+        forwards = []
         for group in split_microbatches(entries, self.microbatches, self.microbatch_min_tokens):
             num_tokens = sum(count for _, count in group)
             padded = self.policy.pad(num_tokens, decode)
             use_sp, graph = self.policy.use_sp(padded), decode and padded in self.graphs
             forwards.append((ForwardInfo(len(self.steps), num_tokens, padded, use_sp, graph, decode), group))
+        return entries, decode, forwards
+
+    def _run(self, forwards, decode: bool):
+        """Enqueue the step's forwards and LM head: -> (fp32 logits of the sampled rows, None on a stage
+        before the last; [(request, batch row)] of the sampled rows)."""
         m = self.model
-        self.meet()
-        begin = time.perf_counter()
-        label = None
-        if self.label_steps:
-            label = torch.profiler.record_function(STEP_RANGE + ("decode" if decode else "prefill"))
-            label.__enter__()
         # A later stage posts every forward's receive first: microbatch k + 1's activations then
         # arrive while it computes microbatch k (and the stage before it computes k + 2).
         receives = [m.post_recv(f.num_tokens, f.padded, f.use_sp) for f, _ in forwards]
@@ -313,24 +364,13 @@ class Engine:
             # forward, so microbatching leaves even the fp32 logits bitwise unchanged (a GEMM's
             # rounding may depend on its row count).
             logits = m.head(hidden[0] if len(hidden) == 1 else torch.cat(hidden))
-        if m.stage is not None and m.stage.pp_size > 1:
-            # only the last stage has logits: its tokens (and logits) go to every rank
-            next_ids, logits = pipeline.share_samples(
-                m.stage, logits, len(samples), m.config.vocab_size, self.device, self.record_logits
-            )
-        else:
-            next_ids = logits.argmax(dim=-1).tolist()
-        self._sync()
-        if label is not None:
-            label.__exit__(None, None, None)
-        seconds = time.perf_counter() - begin
+        return logits, samples
+
+    def _record(self, entries, forwards, seconds: float) -> StepInfo:
+        """Count the step's tokens as computed; keep its StepInfo and ForwardInfos."""
         prefill = sum(count for req, count in entries if not req.decoding)
         for req, count in entries:
             req.num_computed += count
-        for j, (req, _) in enumerate(samples):
-            req.generated.append(next_ids[j])
-            if self.record_logits:
-                req.logits.append(logits[j].float().cpu())
         forwards = [f for f, _ in forwards]
         self.forwards += forwards
         info = StepInfo(
@@ -344,6 +384,132 @@ class Engine:
         self.steps.append(info)
         return info
 
+    def _label(self, kind: str | None) -> None:
+        """Close the open step range; open one for a step of ``kind`` (None: none) when profiled."""
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+        if kind is not None and self.label_steps:
+            self._range = torch.profiler.record_function(STEP_RANGE + kind)
+            self._range.__enter__()
+
+    def step(self, requests: list[Request]) -> StepInfo:
+        """Schedule, run and sample one step. Overlapped, the step stays in flight (its tokens PENDING,
+        its ``seconds`` not known yet) and the one before it is resolved; ``finish`` resolves the last."""
+        if self.overlap:
+            return self._step_overlapped(requests)
+        entries, decode, forwards = self._plan(requests)
+        m = self.model
+        self.meet()
+        begin = time.perf_counter()
+        self._label("decode" if decode else "prefill")
+        logits, samples = self._run(forwards, decode)
+        if m.stage is not None and m.stage.pp_size > 1:
+            # only the last stage has logits: its tokens (and logits) go to every rank
+            next_ids, logits = pipeline.share_samples(
+                m.stage, logits, len(samples), m.config.vocab_size, self.device, self.record_logits
+            )
+        else:
+            next_ids = logits.argmax(dim=-1).tolist()
+        self._sync()
+        self._label(None)
+        info = self._record(entries, forwards, time.perf_counter() - begin)
+        for j, (req, _) in enumerate(samples):
+            req.generated.append(next_ids[j])
+            if self.record_logits:
+                req.logits.append(logits[j].float().cpu())
+        return info
+
+    # ------------------------------------------------------------------ overlap
+    def _step_overlapped(self, requests: list[Request]) -> StepInfo:
+        self._poll()
+        entries, decode, forwards = self._plan(requests)
+        kind = "decode" if decode else "prefill"
+        if not self.inflight:  # a fresh start: the clock starts where a synchronous step's does
+            self.meet()
+            self._clock = time.perf_counter()
+        if self._range is None:  # else the range of the step in flight goes on until it completes
+            self._label(kind)
+        logits, samples = self._run(forwards, decode)
+        ids = logits.argmax(dim=-1)  # stays on the device: the next step's decode inputs
+        host_ids, host_logits, done = ids, logits.float() if self.record_logits else None, None
+        if self.device.type == "cuda":
+            # Copies to pinned memory, queued behind the step like a kernel; read once the next step
+            # is enqueued (a blocking read now would wait for it all).
+            host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host_ids.copy_(ids, non_blocking=True)
+            if host_logits is not None:
+                pinned = torch.empty(host_logits.shape, dtype=torch.float32, pin_memory=True)
+                host_logits = pinned.copy_(host_logits, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        info = self._record(entries, forwards, 0.0)
+        marks = []
+        for req, _ in samples:
+            req.generated.append(PENDING)
+            marks.append((req, len(req.generated) - 1))
+        sample_of = {req.index: j for j, (req, _) in enumerate(samples)}
+        step = InFlight(info, kind, ids, host_ids, host_logits, marks, sample_of, done)
+        self.inflight.append(step)
+        if done is None:  # on cpu the work ran as it was enqueued
+            self._complete(step)
+        if len(self.inflight) > 1:
+            self._resolve(self.inflight.pop(0))
+        return info
+
+    def _poll(self) -> None:
+        """Complete, in order and without waiting, the steps in flight that the device has finished:
+        their clock and range stop before the host enqueues more work."""
+        for step in self.inflight:
+            if not step.completed:
+                if not step.done.query():
+                    break
+                self._complete(step)
+
+    def _complete(self, step: InFlight) -> None:
+        """Stop a step's clock; the profile range moves on to the next step in flight, if any."""
+        now = time.perf_counter()
+        step.info.seconds, self._clock = now - self._clock, now
+        step.completed = True
+        later = next((s for s in self.inflight if not s.completed), None)
+        self._label(later.kind if later is not None else None)
+
+    def _resolve(self, step: InFlight) -> None:
+        """Wait for a step taken out of flight and hand its tokens (and logits) to its requests."""
+        if not step.completed:
+            step.done.synchronize()
+            self._complete(step)
+        for (req, k), token in zip(step.samples, step.host_ids.tolist(), strict=True):
+            req.generated[k] = token
+        if step.host_logits is not None:
+            for (req, _), row in zip(step.samples, step.host_logits, strict=True):
+                req.logits.append(row)
+
+    def finish(self) -> None:
+        """Resolve every step still in flight: the requests then hold all their tokens."""
+        while self.inflight:
+            self._resolve(self.inflight.pop(0))
+
+    # ------------------------------------------------------------------ generation
+    def _log_steps(self, first: int) -> int:
+        """Log the steps from index ``first`` on whose time is known; -> the first one not logged."""
+        known = len(self.steps) - sum(not s.completed for s in self.inflight)
+        for i in range(first, known):
+            if self.log:
+                self.log(self._step_line(i))
+        return known
+
+    def _step_line(self, i: int) -> str:
+        info, forwards = self.steps[i], [f for f in self.forwards if f.step == i]
+        parts = ", ".join(
+            f"T={f.padded} {'SP' if f.use_sp else 'TP'} {'graph' if f.graph else 'eager'}" for f in forwards
+        )
+        split = f" in {len(forwards)} microbatches" if len(forwards) > 1 else ""
+        return (
+            f"step {i + 1}: {info.num_tokens} tokens (prefill {info.prefill_tokens})"
+            f"{split} -> {parts} {info.seconds * 1e3:.2f} ms"
+        )
+
     def generate(self, prompts: list[list[int]], max_new_tokens: int, progress=None) -> list[Request]:
         if len(prompts) > self.model.trash_row:
             raise ValueError(f"{len(prompts)} requests but the KV cache holds {self.model.trash_row}")
@@ -354,21 +520,14 @@ class Engine:
                 f"max_seq_len = {self.model.max_seq_len}"
             )
         requests = [self.request_class(i, list(p), max_new_tokens) for i, p in enumerate(prompts)]
-        while not all(req.done for req in requests):
-            info = self.step(requests)
-            if self.log:
-                forwards = [f for f in self.forwards if f.step == len(self.steps) - 1]
-                parts = ", ".join(
-                    f"T={f.padded} {'SP' if f.use_sp else 'TP'} {'graph' if f.graph else 'eager'}"
-                    for f in forwards
-                )
-                split = f" in {len(forwards)} microbatches" if len(forwards) > 1 else ""
-                self.log(
-                    f"step {len(self.steps)}: {info.num_tokens} tokens (prefill {info.prefill_tokens})"
-                    f"{split} -> {parts} {info.seconds * 1e3:.2f} ms"
-                )
+        logged = len(self.steps)
+        while not all(req.done for req in requests):  # done counts PENDING tokens
+            self.step(requests)
+            logged = self._log_steps(logged)
             if progress:
                 progress(sum(len(r.generated) for r in requests))
+        self.finish()
+        self._log_steps(logged)
         return requests
 
     def _decode_tokens(self, steps: list[StepInfo]) -> int:
@@ -383,6 +542,7 @@ class Engine:
             "steps": len(self.steps),
             "microbatches": len(self.forwards),  # forwards run; up to --microbatches per step
             "max_microbatches": self.microbatches,
+            "overlap": self.overlap,  # steps overlapped (else each synchronous)
             "seconds": sum(s.seconds for s in self.steps),
             "sp_steps": sum(s.use_sp for s in self.steps),
             "graph_steps": sum(s.graph for s in self.steps),

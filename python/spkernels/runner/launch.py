@@ -65,6 +65,9 @@ class RunOptions:
     check: bool = False
     check_atol: float | None = None  # None: CHECK_RTOL * max |reference logit| (see compare)
     check_graphs: bool = False
+    # Overlap each step's host work with the step before's device work where it applies (engine.py);
+    # False: every step synchronous (A/B comparisons).
+    overlap: bool = True
     record_logits: bool = False
     profile: bool = False  # time by category (mHC, NCCL, attention, GEMM, other) of the measured run
     load_weights: str | None = None
@@ -275,6 +278,7 @@ def _generate(
         microbatch_min_tokens=opts.microbatch_min_tokens,
         # a distributed model's steps start with its ranks met (not rank 0's lone --check reference)
         meet=_sync_ranks if model.comm is not None or model.stage is not None else None,
+        overlap=opts.overlap,
     )
     if mtp is None:
         engine = Engine(model, policy, opts.max_tokens_per_step, **kwargs)

@@ -142,9 +142,13 @@ def _work(events, device_type: str):
 def by_step_kind(events, device_type: str) -> dict[str, dict]:
     """Per step kind, from the Engine's STEP_RANGE ranges in ``profiler.events()``: the steps seen,
     the milliseconds of them that any work covers ("busy": GPU kernels on cuda, outermost ops on
-    cpu) and what each category covers. A kernel belongs to the step whose range it starts in: every
-    timed step begins with the device drained and ends with its tokens read, so its kernels run
-    inside its range (clipped to it all the same)."""
+    cpu) and what each category covers. A kernel belongs to the step whose range it starts in
+    (clipped to it). A synchronous step's range begins with the device drained and ends with its
+    tokens read, so its kernels run inside it. An overlapped step's range runs from the previous
+    step's completion to its own (Engine._complete), which is when the GPU runs its kernels: queued
+    behind the previous step, they start as it ends; only where the GPU catches up with the host
+    during an enqueue can a step's first kernels start before its range and count for the step
+    before."""
     ranges = sorted(
         (e.time_range.start, e.time_range.end, e.name[len(STEP_RANGE) :])
         for e in events

@@ -80,6 +80,7 @@ class SpeculativeEngine(Engine):
         oracle: list[list[int]] | None = None, **kwargs,
     ):  # fmt: skip
         super().__init__(model, policy, max_tokens_per_step, **kwargs)
+        self.overlap = False  # the next step's schedule depends on this one's acceptance: synchronous
         if type(num_draft) is not int or num_draft < 1:
             raise ValueError(f"--mtp K drafts K >= 1 tokens per step, got K = {num_draft!r}")
         if draft_mode not in DRAFT_MODES:
