@@ -202,7 +202,9 @@ class Communicator:
         self._buffer = None
         # Drop the process group: a closed communicator must not keep it alive past
         # dist.destroy_process_group(), or its gloo threads die in interpreter teardown, where they
-        # sporadically abort the process ("terminate called without an active exception").
+        # sporadically abort the process ("terminate called without an active exception"). Gloo can
+        # also abort there when a peer process exits first: the ranks meet (dist.barrier()) before
+        # tearing down, as the README example does, or exit without teardown, as the runner does.
         self.group = None
 
     def __enter__(self) -> Communicator:
