@@ -69,6 +69,11 @@ class MhcParams(NamedTuple):
     sinkhorn_iters: int = ref.SINKHORN_ITERS
     post_alpha: float = ref.POST_ALPHA
 
+    @property
+    def op_scalars(self) -> tuple:
+        """The five scalars in the ops' schema order (sinkhorn_eps goes last, after any comm)."""
+        return self.rms_eps, self.hc_eps, self.norm_eps, self.sinkhorn_iters, self.post_alpha
+
 
 class Mixes(NamedTuple):
     """What a site's pre hands to the post after its sublayer (and, in V4.1, to the next pre).
@@ -123,7 +128,7 @@ def mhc_pre(stream: torch.Tensor, params: MhcParams, *, pre_mix_in: torch.Tensor
     p = params
     out = _mhc_pre(
         stream, p.fn, p.scale, p.base, p.norm_weight, pre_mix_in,
-        p.rms_eps, p.hc_eps, p.norm_eps, p.sinkhorn_iters, p.post_alpha, p.sinkhorn_eps,
+        *p.op_scalars, p.sinkhorn_eps,
     )  # fmt: skip
     return _pre_result(out)
 
@@ -141,7 +146,7 @@ def mhc_post_pre(
     p = params
     out = _mhc_post_pre(
         y, stream, mixes.post_mix, mixes.res_mix, p.fn, p.scale, p.base, p.norm_weight, pre_mix_in,
-        p.rms_eps, p.hc_eps, p.norm_eps, p.sinkhorn_iters, p.post_alpha, p.sinkhorn_eps,
+        *p.op_scalars, p.sinkhorn_eps,
     )  # fmt: skip
     return _boundary_result(out)
 
@@ -161,7 +166,7 @@ def sp_pre(
     p = params
     out = _mhc_pre_ag(
         stream, p.fn, p.scale, p.base, p.norm_weight, pre_mix_in,
-        p.rms_eps, p.hc_eps, p.norm_eps, p.sinkhorn_iters, p.post_alpha, _handle(comm), p.sinkhorn_eps,
+        *p.op_scalars, _handle(comm), p.sinkhorn_eps,
     )  # fmt: skip
     return _pre_result(out)
 
@@ -181,7 +186,7 @@ def sp_boundary(
     p = params
     out = _mhc_post_pre_rs_ag(
         partial, stream, mixes.post_mix, mixes.res_mix, p.fn, p.scale, p.base, p.norm_weight, pre_mix_in,
-        p.rms_eps, p.hc_eps, p.norm_eps, p.sinkhorn_iters, p.post_alpha, _handle(comm), p.sinkhorn_eps,
+        *p.op_scalars, _handle(comm), p.sinkhorn_eps,
     )  # fmt: skip
     return _boundary_result(out)
 
@@ -210,7 +215,7 @@ def tp_boundary(
     p = params
     out = _mhc_post_pre_ar(
         partial, stream, mixes.post_mix, mixes.res_mix, p.fn, p.scale, p.base, p.norm_weight, pre_mix_in,
-        p.rms_eps, p.hc_eps, p.norm_eps, p.sinkhorn_iters, p.post_alpha, _handle(comm), p.sinkhorn_eps,
+        *p.op_scalars, _handle(comm), p.sinkhorn_eps,
     )  # fmt: skip
     return _boundary_result(out)
 
