@@ -242,7 +242,9 @@ def _save(args, records: list[dict], floors: dict, elapsed: float, done: bool = 
     out.mkdir(parents=True, exist_ok=True)
     rows = report.make_rows(records, floors)
     cross = report.crossover(rows)
-    config = {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | type(None))}
+    scalar = str | int | float | bool | type(None)
+    # The run's options, less the output folder (a path on the machine that ran it).
+    config = {k: v for k, v in vars(args).items() if k != "out" and isinstance(v, scalar)}
     config.update(elapsed_s=round(elapsed, 1), complete=done)
     if not hasattr(args, "machine"):
         args.machine = machine_info(args.commit)

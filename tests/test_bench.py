@@ -268,7 +268,7 @@ def test_readme_table_from_results():
     assert report.machine_line(docs[1]["machine"]) in text  # the run a row comes from is named
     for doc in docs:
         doc["rows"] = [r for r in doc["rows"] if r["op"] != "mhc_head"]
-    assert "| `mhc_head` | 8192 | | not measured |" in report.readme_table(docs)
+    assert "| `mhc_head` | 4096 | | not measured |" in report.readme_table(docs)
 
 
 def test_readme_shows_the_current_table():

@@ -103,6 +103,7 @@ def test_examples():
         (dict(tp_size=2, sp_threshold=8, capture_sizes=(4, 4)), "capture_sizes"),
         (dict(tp_size=2, sp_threshold=8, capture_sizes=(1, 2.5)), "capture_sizes"),
         (dict(tp_size=2, sp_threshold="auto", hidden_size=0), "hidden_size"),
+        (dict(tp_size=2, sp_threshold="auto"), "hidden_size"),
     ],
 )
 def test_bad_values_raise(kwargs, name):
@@ -126,7 +127,6 @@ def test_auto_threshold(tmp_path):
     assert SPPolicy(4, "auto", hidden_size=4096, crossover_table=table).sp_threshold == 777
     assert SPPolicy(8, "auto", hidden_size=4096, crossover_table=table).sp_threshold == DEFAULT_AUTO_THRESHOLD
     assert SPPolicy(2, "auto", hidden_size=5120, crossover_table=table).sp_threshold == DEFAULT_AUTO_THRESHOLD
-    assert SPPolicy(2, "auto", crossover_table=table).sp_threshold == DEFAULT_AUTO_THRESHOLD
     assert isinstance(SPPolicy(2, "auto", hidden_size=4096).sp_threshold, int)  # the shipped table parses
     table.write_text(json.dumps({"2": {"4096": -3}}))
     with pytest.raises(ValueError, match="threshold"):

@@ -1,7 +1,7 @@
-"""A CPU model of the two protocols in docs/design.md, "Next: overlapped SP boundary and one-launch TP
-boundary": the overlapped SP boundary (pass 1 pulls, pass 2 launched early and gated by per-tile ready
-flags, the pushed all-gather's copy-in) and the one-launch decode TP boundary (pushed partial rows with
-epoch flags in a double-buffered inbox, a ticket reduction over the column-slice CTAs of a tile).
+"""A CPU model of the two protocols in docs/proposals/overlapped-boundaries.md: the overlapped SP
+boundary (pass 1 pulls, pass 2 launched early and gated by per-tile ready flags, the pushed
+all-gather's copy-in) and the one-launch decode TP boundary (pushed partial rows with epoch flags in a
+double-buffered inbox, a ticket reduction over the column-slice CTAs of a tile).
 
 Pure Python, no GPU and no spkernels import. Each rank runs several calls back to back, enqueued up
 front with nothing reset in between (CUDA-graph replay style). Every CTA is a generator that yields

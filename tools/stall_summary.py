@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import csv
 import re
-import sys
 
 STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio$")
 # A pipe's or a memory unit's load: what caps a kernel that more warps do not speed up.
@@ -63,7 +62,16 @@ def hot_instructions(rows: list[list[str]], n: int) -> tuple[list[str], list[lis
 
 
 def main() -> None:
-    raw, sass = sys.argv[1], sys.argv[2]
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n", 1)[0], epilog=__doc__.split("\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    parser.add_argument("raw", help="ncu --page raw --csv export")
+    parser.add_argument("sass", help="ncu --page source --csv --print-source sass export")
+    args = parser.parse_args()
+    raw, sass = args.raw, args.sass
     raw_rows = read_csv(raw)
     print("busiest pipes and memory units (% of peak; each unit's largest rollup):")
     seen = set()

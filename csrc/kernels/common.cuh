@@ -58,8 +58,8 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 }
 
 // 16 bytes global -> shared, asynchronously and through the L2 only (.cg); src_bytes = 0 stores
-// zeros (src must still be a valid address). cp_async_wait<N>: this thread's copies but those of
-// its N most recently committed groups have landed.
+// zeros (src must still be a valid address). cp_async_wait<kPending>: all of this thread's
+// copies but those of its kPending most recently committed groups have landed.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
   const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");

@@ -3,9 +3,10 @@
 //
 // lsa_all_gather_kernel: every rank has staged its own rows at [rank * bytes, (rank + 1) * bytes)
 // of its gather buffer; each CTA pulls its share of every peer's block into the output. Rows of
-// any dtype and width: 16-byte vectors, then a byte tail. <kPush = true> (the bench's link probe
-// only, csrc/bench/link_probe.cu): each CTA stores its share of this rank's block of `out` into
-// every peer's gather region at [rank * bytes, (rank + 1) * bytes).
+// any dtype and width: 16-byte vectors where bytes is a multiple of 16, else byte by byte.
+// <kPush = true> (the bench's link probe only, csrc/bench/link_probe.cu): each CTA stores its
+// share of this rank's block of `out` into every peer's gather region at [rank * bytes,
+// (rank + 1) * bytes).
 #include <nccl.h>
 #include <nccl_device.h>
 

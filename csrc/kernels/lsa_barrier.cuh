@@ -22,8 +22,8 @@
 namespace spk {
 
 // Where a barrier sits (for the timeout message). kGatherPush and kGatherCopyIn: the pushed
-// all-gather of layer_input (mhc_collapse.cuh, lsa_gather.cuh). kPushedRows: not a barrier,
-// mhc_post_ar's wait for a peer's pushed partial rows at decode sizes (spin_until in mhc_rows.cuh,
+// all-gather of layer_input (mhc_pass1.cuh, lsa_gather.cuh). kPushedRows: not a barrier,
+// mhc_post_ar's wait for a peer's pushed partial rows at decode sizes (spin_until in y_source.cuh,
 // PushArgs).
 enum class BarrierSite : int32_t { kEntry, kExit, kGatherEntry, kGatherExit, kGatherPush, kGatherCopyIn, kPushedRows };
 
@@ -52,7 +52,7 @@ inline const char* barrier_site_name(int32_t site) {
 struct BarrierError {
   uint32_t flag;
   int32_t peer;  // the rank that did not arrive
-  int32_t cta;   // the barrier index (= blockIdx.x)
+  int32_t cta;   // the barrier index (blockIdx.x; 0 for the exit and gather-push barriers)
   int32_t site;  // BarrierSite
 };
 

@@ -6,7 +6,7 @@
 // Source map, one hop each: an op's variant (MhcVariant) and its plan are in mhc_plan.h; pass 1's
 // kernels in mhc_pass1.cuh (their tile loop: mhc_rows.cuh, its choices per variant:
 // tile_policy.cuh; fn's source: fn_source.cuh; y's: y_source.cuh); pass 2 in mhc_collapse.cuh;
-// mhc_post's decode kernel in mhc_post_row.cuh; the protocols in lsa_barrier.cuh (entry / exit
+// mhc_post's row kernel in mhc_post_row.cuh; the protocols in lsa_barrier.cuh (entry / exit
 // barriers), lsa_gather.cuh (SP gather push + copy-in), lsa_all_gather.cuh (sp_all_gather) and
 // tp_push.cuh (the pushed TP post); the per-token math in mhc_math.cuh.
 //
@@ -20,7 +20,7 @@
 //       accuracy), and the sum of x^2, summed warp -> CTA in a fixed order and written to a
 //       workspace ws[T][S][rows + 1]. No CTA ever waits for another: the pass streams at HBM
 //       (and NVLink) speed. At decode sizes (tiles x slices x 3 CTAs fit one per SM) CTA (g, s, p)
-//       computes only fn rows 8p..8p+7 (a = 3 parts): three times the CTAs, each loading a third
+//       computes only fn rows 8p..8p+7 (a.parts = 3): three times the CTAs, each loading a third
 //       of fn, with every sum bitwise unchanged (each row's mma chain is the same).
 // 2. mhc_collapse_row_kernel / mhc_collapse_loop_kernel (pres only; a CTA per row while the rows'
 //    CTAs fit on the GPU in two waves, above that a CTA per SM slot looping over rows): sums each
@@ -43,7 +43,7 @@ namespace spk {
 // The whole op on `stream`: its plan (mhc_plan) launched, each kernel a programmatic dependent of
 // the one before (pdl.cuh). `a.ws` must hold mhc_ws_floats(v, num_tokens, hidden) floats for a
 // pre. max_ctas <= 0: the device's own limit (local ops); the fused ops pass the cap every rank
-// agreed on. Barriers: pass 1 uses indices [0, slices * groups * parts) <= max_ctas, pass 2 index
+// agreed on. Barriers: pass 1 uses indices below its grid size (<= max_ctas), pass 2 index
 // 0 (its last CTA), the copy-in kernel [0, grid) <= max_ctas; a pushed post none (its CTAs, all
 // resident, wait for the peers' rows).
 cudaError_t launch_mhc(MhcVariant v, TileArgs a, int max_ctas, cudaStream_t stream);

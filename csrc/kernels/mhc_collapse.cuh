@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
 }
 
 // Pass 2 above the row kernel's two waves: a CTA per SM slot loops over rows i = blockIdx.x,
-// + stride, ... (collapse_block order), with the warp roles of the row kernel turned into a
+// blockIdx.x + gridDim.x, ... (collapse_block order), with the warp roles of the row kernel turned into a
 // two-deep ring, so that no CTA-wide barrier sits between rows:
 // - the coefficient warp sums row k's partials itself (lane v < kVals: value v over the S slices in
 //   slice order, as collapse_coefficients), puts its collapse weights in s_coef[k & 1] and

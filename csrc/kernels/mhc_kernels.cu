@@ -50,7 +50,7 @@ cudaError_t resident_ctas(const void* kernel, int threads, size_t smem, int* out
 using Kernel = void (*)(TileArgs);
 
 // The kernels of one op variant: the tile kernel by fn source, the wide pass-1 kernel, and pass 2's
-// two kernels by kV (1..5; null past D = 8192, which the ops check first).
+// two kernels by kV (1..5; null past D = 8960; the ops cap D at 8192).
 template <MhcVariant kVariant>
 struct VariantKernels {
   static constexpr MhcTraits kT = mhc_traits(kVariant);

@@ -1,5 +1,5 @@
 #pragma once
-// The per-token mHC math (torch-free): the coefficients of the mHC contract (section 1), Sinkhorn,
+// The per-token mHC math (torch-free): the coefficients of docs/contract.md ("Coefficients"), Sinkhorn,
 // and the post mix. Everything here is deterministic: fixed summation orders only, so replicated
 // ranks compute bitwise-identical results.
 #include "kernels/common.cuh"

@@ -18,8 +18,9 @@ __device__ __forceinline__ void gather_push_sync(const TileArgs& a) {
 
 // Pass 1, a programmatic dependent of whatever kernel precedes the op (pdl.cuh): every thread
 // waits first, before its barriers (F2 in lsa_gather.cuh) and before it lets pass 2 launch. Posts
-// without a pre synchronise with the peers at entry (partials written) and exit (nobody reads this
-// rank's partial any more); with a pre the exit is pass 2's or the copy-in's. In SP mode without a
+// pulling y from the peers (kPeers) without a pre synchronise with them at entry (partials
+// written) and exit (nobody reads this rank's partial any more); with a pre the exit is pass 2's
+// or the copy-in's; a pushed post has no barrier (tp_push.cuh). In SP mode without a
 // post (mhc_pre_ag), CTA 0 syncs once so that pass 2 may push into the peers' gather regions
 // ((B) in lsa_gather.cuh).
 //
@@ -57,7 +58,7 @@ __global__ void __launch_bounds__(kThreads, kRowsCtasPerSm) mhc_rows_kernel(cons
 }
 
 // The head with fn staged: kPreTeams teams of kThreads threads per CTA on one fn slice (mhc_rows'
-// kTeams), one CTA per SM: the 16 warps per SM of two one-team CTAs on one 96 KB fn copy. Same
+// kTeams), one CTA per SM: the 16 warps per SM of two one-team CTAs on one fn copy. Same
 // tiles, same per-tile code: the same bits.
 __global__ void __launch_bounds__(kThreads* kPreTeams, 1)
     mhc_rows_teams_kernel(const __grid_constant__ TileArgs a) {

@@ -98,7 +98,8 @@ struct MhcPlan {
   MhcLaunch launches[3];  // in stream order, each a programmatic dependent of the one before
 };
 
-// kV of the collapse kernels at `hidden`: kV * kCollapseThreads >= hidden / 8; 0 past D = 8192.
+// kV of the collapse kernels at `hidden`: kV * kCollapseThreads >= hidden / 8; 0 past D = 8960
+// (the ops cap D at kMaxHidden = 8192).
 inline int collapse_vectors(int hidden) {
   const int kv = (hidden / 8 + kCollapseThreads - 1) / kCollapseThreads;
   return kv >= 1 && kv <= 5 ? kv : 0;

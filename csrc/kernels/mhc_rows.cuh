@@ -92,8 +92,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
 
   // ---- A: every stream load of a tile issued at once; x[h][i] = token g + 8h, stream i (with a
   // local post's y rows, P::kEarlyY; through the cp.async ring with fn in registers, P::kStageX).
-  uint4* const x_stage = s_fn;                 // mhc_rows_fnreg_kernel's dynamic shared memory is the ring
-  auto issue_tile = [&](int tile, int slot) {  // and commit; only the commit past the last tile
+  uint4* const x_stage = s_fn;                 // the fn-in-registers kernel's dynamic shared memory: the ring
+  auto issue_tile = [&](int tile, int slot) {  // a tile's copies into `slot`, then the commit (alone past the end)
     if (tile < tiles.end()) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -194,7 +194,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
         for (int k = 0; k < kMixPer; ++k)
           if (const int idx = tid + k * kThreads; idx < kTileTokens * kMixIn)
             s_mixin[idx / kMixIn][idx % kMixIn] = mix_next[k];
-      } else {  // the strided loop as before: through load_mix, the fused posts' registers moved
+      } else {  // a strided loop straight into s_mixin (through load_mix, the fused posts need more registers)
         for (int idx = tid; idx < kTileTokens * kMixIn; idx += kThreads) {
           const int tok = idx / kMixIn, c = idx % kMixIn, row = row_base + tok;
           s_mixin[tok][c] = row < T ? incoming_mix(a, row, c) : 0.f;

@@ -13,7 +13,7 @@ namespace spk {
 
 constexpr int kHC = 4;                 // stream count; kernels are specialised for 4
 constexpr int kMix = (2 + kHC) * kHC;  // 24 mixing values: pre | post | res (row-major i, j)
-constexpr int kTileTokens = 16;        // tokens per tile = the M of mma.m16n8k16
+constexpr int kTileTokens = 16;        // tokens per tile: two n8 halves of mma.m16n8k16 (n = token)
 constexpr int kThreads = 256;          // threads per CTA
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxPeers = 8;      // LSA ranks the fused kernels sum over (one NVLink node)
@@ -28,7 +28,7 @@ constexpr int kFnRegRing = 2;
 // The head's teams kernel: teams of kThreads threads per CTA on one staged fn slice.
 constexpr int kPreTeams = 2;
 
-// fn rows padded to whole mma n-tiles: 24 for pre, 4 -> 8 for the head; +1 workspace value (sum x^2).
+// fn rows padded to whole m-tiles (8 rows): 24 for pre, 4 -> 8 for the head; +1 workspace value (sum x^2).
 template <bool kHead>
 struct FnRows {
   static constexpr int kRows = kHead ? 8 : kMix;
@@ -68,8 +68,7 @@ SPK_HD inline bool even_split(int num_tiles, int slices, int resident) {
 constexpr size_t kFnRegSmemBytes = (size_t)kFnRegRing * 2 * kHC * kThreads * 16;
 
 // mhc_post alone runs the row kernel up to this T (its grid's y limit: a row per grid row), with
-// blocks of this many threads; the tile kernel above. Same-run A/B on one H200 against the tile
-// kernel from T = 256: 10-24% faster, at the copy rate from T = 512 (docs/performance.md).
+// blocks of this many threads; the tile kernel above (why: docs/performance.md).
 constexpr int kPostRowRows = 65535;
 constexpr int kPostRowThreads = 64;
 

@@ -15,7 +15,7 @@
 // are visible; and nothing of the op changes those bytes. Such loads only start earlier; the
 // thread still waits before anything else.
 //
-// An op's first kernel (pass 1, or mhc_post's decode row kernel) is itself a dependent of
+// An op's first kernel (pass 1, or mhc_post's row kernel) is itself a dependent of
 // whatever kernel precedes it on the stream, ours or the caller's. A kernel that never calls
 // pdl_launch_dependents() (the caller's, or an op's last kernel) triggers when all of its CTAs
 // have exited, so the next op's launch overlaps that kernel's teardown (its completion and memory
@@ -42,7 +42,7 @@
 //
 // CUDA graphs: a launch with cudaLaunchAttributeProgrammaticStreamSerialization under stream
 // capture becomes a programmatic edge (cudaGraphDependencyTypeProgrammatic) between the two kernel
-// nodes (graph edge data, CUDA 12.3+; we build with 13.0), with the same semantics on replay. The
+// nodes (graph edge data, CUDA 12.3+), with the same semantics on replay. The
 // kernels of one op are always captured together, back to back on one stream. Where the previous
 // stream operation is not a kernel (or there is none in the graph), the launch is simply
 // stream-ordered.

@@ -23,8 +23,8 @@ struct TilePolicy {
   // empty one past the last tile), so tile j waits with wait_group<kFnRegRing - 1>. No L2
   // prefetch: the copy is the only read, so each byte crosses the L2 partitions' fabric once.
   // With the fragments in registers, pass 1 no longer fills the shared-memory pipe with their
-  // loads every tile. Only a pre's: the local post_pre and the fused boundaries so (their old
-  // stream and y through the ring, one CTA per SM) are slower.
+  // loads every tile. Only a pre's: run this way (old stream and y through the ring, one CTA
+  // per SM), the local post_pre and the fused boundaries are slower.
   static constexpr int kRing = kFn == FnSrc::kRegs ? kFnRegRing : 0;
   static constexpr bool kStageX = kRing > 0;
   static_assert(!kStageX || (kSrc == YSrc::kNone && !kPost && !kHead), "the ring: a pre's x");
@@ -38,8 +38,8 @@ struct TilePolicy {
   // The next tile's loads go out right after this tile's mma, into the same registers, and are
   // in flight through this tile's CTA sums and workspace stores: the head (it reads x only in the
   // mma phase) and the local post_pre (its x is dead once the mma has read the new stream).
-  // mhc_pre and mhc_pre_ag are faster with the L2 prefetch (kPrefetchNext) instead. The fused
-  // post_pres (kPeers) are not measured so yet.
+  // mhc_pre and mhc_pre_ag are faster with the L2 prefetch (kPrefetchNext) instead; the fused
+  // post_pres (kPeers) keep the prefetch too.
   static constexpr bool kPipe = kHead || (kPost && kPre && kSrc == YSrc::kLocal);
 
   // The piped post_pre loads the next tile's incoming mixes right after the mma, and the tile's

@@ -12,8 +12,8 @@
 // last one resets it and increments `calls` (every CTA has read it by then). A peer writes a slot
 // again two pushed calls later, after it read this rank's rows of the call in between, which this
 // rank pushed only after this call's kernel completed: so the slot is clear by then. Nobody reads
-// this rank's partial region remotely, so there is no exit barrier either. (mhc_post_pre_ar pushed
-// this rank's partial region remotely, so there is no exit barrier either.
+// this rank's partial region remotely, so there is no exit barrier either. mhc_post_pre_ar stays
+// pulled: pushed, it was slower (docs/performance.md).
 #include <cuda/atomic>
 
 #include "kernels/mhc_args.cuh"

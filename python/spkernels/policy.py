@@ -27,12 +27,12 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def auto_threshold(tp_size: int, hidden_size: int | None, table: str | Path | None = None) -> int:
+def auto_threshold(tp_size: int, hidden_size: int, table: str | Path | None = None) -> int:
     """The measured SP crossover for (tp_size, hidden_size) from the JSON table
     ``{"<tp>": {"<hidden_size>": threshold}}``, else ``DEFAULT_AUTO_THRESHOLD``."""
     path = Path(table) if table is not None else CROSSOVER_TABLE
     entries = json.loads(path.read_text()) if path.exists() else {}
-    threshold = entries.get(str(tp_size), {}).get(str(hidden_size)) if hidden_size is not None else None
+    threshold = entries.get(str(tp_size), {}).get(str(hidden_size))
     if threshold is None:
         return DEFAULT_AUTO_THRESHOLD
     if not _is_int(threshold) or threshold < 1:
@@ -48,7 +48,8 @@ class SPPolicy:
 
     ``sp_threshold``: None (SP never engages), a positive int N (SP engages on a forward whose padded
     token count T satisfies T >= N and T >= tp_size, with tp_size > 1), or ``"auto"`` (N from the
-    crossover table for ``tp_size`` and ``hidden_size``; see :func:`auto_threshold`).
+    crossover table for ``tp_size`` and ``hidden_size``, which it then requires; see
+    :func:`auto_threshold`).
     """
 
     def __init__(
@@ -64,6 +65,8 @@ class SPPolicy:
         if hidden_size is not None and (not _is_int(hidden_size) or hidden_size < 1):
             raise ValueError(f"hidden_size must be a positive int or None, got {hidden_size!r}")
         if sp_threshold == "auto":
+            if hidden_size is None:
+                raise ValueError("sp_threshold='auto' needs hidden_size (the crossover depends on it)")
             sp_threshold = auto_threshold(tp_size, hidden_size, crossover_table)
         elif sp_threshold is not None and (not _is_int(sp_threshold) or sp_threshold < 1):
             raise ValueError(f"sp_threshold must be a positive int, 'auto' or None, got {sp_threshold!r}")
