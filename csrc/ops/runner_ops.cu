@@ -31,8 +31,8 @@ __device__ __forceinline__ void rotate(Vec8& x1, Vec8& x2, const float (&c)[8], 
 }
 
 // A thread per (token, head, 8 columns of the first half): q rotated in place, k rotated and v
-// stored into the cache at (row, position). qkv [T, 3, H, hd]; cos, sin [T, hd / 2]; cache
-// [2, R, H, S, hd]. A row or position out of range writes nothing to the cache.
+// stored into the cache at (row, position); qkv's k and v untouched. qkv [T, 3, H, hd]; cos, sin
+// [T, hd / 2]; cache [2, R, H, S, hd]. A row or position out of range writes nothing to the cache.
 __global__ void __launch_bounds__(kGlueThreads) rope_kv_cache_kernel(__nv_bfloat16* __restrict__ qkv,
                                                                      const float* __restrict__ cos,
                                                                      const float* __restrict__ sin,
@@ -113,9 +113,9 @@ void rope_kv_cache_cuda(const Tensor& qkv, const Tensor& cos, const Tensor& sin,
               qkv.device(), ", got ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
   check_index("rows", rows, T, qkv.device());
   check_index("positions", positions, T, qkv.device());
-  if (T == 0) return;
-  const c10::cuda::CUDAGuard guard(qkv.device());
   const int64_t items = T * H * (hd / 16);
+  if (items == 0) return;
+  const c10::cuda::CUDAGuard guard(qkv.device());
   rope_kv_cache_kernel<<<glue_blocks(items), kGlueThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       ptr<__nv_bfloat16>(qkv), cptr<float>(cos), cptr<float>(sin), ptr<__nv_bfloat16>(kv_cache),
       cptr<int64_t>(rows), cptr<int64_t>(positions), (int)T, (int)H, (int)hd, kv_cache.size(1), kv_cache.size(3));
@@ -128,7 +128,7 @@ Tensor silu_mul_cuda(const Tensor& gate_up) {
   const int64_t T = gate_up.size(0), F = gate_up.size(1) / 2;
   check_tensor("gate_up", gate_up, at::kBFloat16, {T, 2 * F}, gate_up.device(), true);
   Tensor out = at::empty({T, F}, gate_up.options());
-  if (T == 0) return out;
+  if (T * F == 0) return out;
   const c10::cuda::CUDAGuard guard(gate_up.device());
   silu_mul_kernel<<<glue_blocks(T * (F / 8)), kGlueThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       cptr<__nv_bfloat16>(gate_up), ptr<__nv_bfloat16>(out), T, (int)F);

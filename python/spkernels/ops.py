@@ -406,11 +406,13 @@ def _(qkv, cos, sin, kv_cache, rows, positions):
     _check_rope_args(qkv, cos, sin, kv_cache, rows, positions)
     T, _, _, hd = qkv.shape
     c, s = cos.view(T, 1, 1, hd // 2), sin.view(T, 1, 1, hd // 2)
-    x1, x2 = qkv[:, :2].chunk(2, dim=-1)  # q and k together, in place
-    a, b, x1s = x1 * c, x2 * s, x1 * s  # bf16 x fp32 -> fp32: exactly x1.float() * c
-    torch.sub(a, b, out=x1)
-    torch.add(x1s, x2 * c, out=x2)
-    kv_cache[:, rows, :, positions] = qkv[:, 1:]  # [T, 2, H, hd] -> (row, position) of k and v
+    kv = qkv[:, 1:].clone()  # k rotated here, v as is; qkv's k and v stay as they were
+    for x in (qkv[:, :1], kv[:, :1]):  # q in place, then k
+        x1, x2 = x.chunk(2, dim=-1)
+        a, b, x1s = x1 * c, x2 * s, x1 * s  # bf16 x fp32 -> fp32: exactly x1.float() * c
+        torch.sub(a, b, out=x1)
+        torch.add(x1s, x2 * c, out=x2)
+    kv_cache[:, rows, :, positions] = kv  # [T, 2, H, hd] -> (row, position) of k and v
 
 
 @torch.library.register_fake(f"{_lib}::_silu_mul")

@@ -90,17 +90,20 @@ class ModelConfig:
             )
         if self.arch not in ("v4", "v4.1"):
             raise ValueError(f"config.arch must be 'v4' or 'v4.1', got {self.arch!r}")
-        if self.head_dim % 2:
-            raise ValueError(f"config.head_dim must be even (rotary embedding), got {self.head_dim}")
+        if self.head_dim % 16:
+            raise ValueError(
+                f"config.head_dim must be a multiple of 16 (the rotary kernel's 16-byte halves), "
+                f"got {self.head_dim}"
+            )
         if self.num_heads % tp_size:
             raise ValueError(
                 f"num_heads = {self.num_heads} is not divisible by tp = {tp_size}: attention "
                 f"heads are split evenly across the TP group"
             )
-        if self.ffn_size % tp_size:
+        if self.ffn_size % (8 * tp_size):
             raise ValueError(
-                f"ffn_size = {self.ffn_size} is not divisible by tp = {tp_size}: FFN columns "
-                f"are split evenly across the TP group"
+                f"ffn_size = {self.ffn_size} is not a multiple of 8 * tp = {8 * tp_size}: FFN columns "
+                f"are split evenly across the TP group, 8 per 16-byte vector of the SiLU-and-mul kernel"
             )
         if not isinstance(pp_size, int) or not 1 <= pp_size <= self.num_layers:
             raise ValueError(

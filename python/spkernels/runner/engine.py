@@ -521,11 +521,15 @@ class Engine:
             )
         requests = [self.request_class(i, list(p), max_new_tokens) for i, p in enumerate(prompts)]
         logged = len(self.steps)
-        while not all(req.done for req in requests):  # done counts PENDING tokens
-            self.step(requests)
-            logged = self._log_steps(logged)
-            if progress:
-                progress(sum(len(r.generated) for r in requests))
+        try:
+            while not all(req.done for req in requests):  # done counts PENDING tokens
+                self.step(requests)
+                logged = self._log_steps(logged)
+                if progress:
+                    progress(sum(len(r.generated) for r in requests))
+        except BaseException:
+            self.inflight.clear()  # a failed generation's steps are abandoned: the next one starts clean
+            raise
         self.finish()
         self._log_steps(logged)
         return requests

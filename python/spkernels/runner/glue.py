@@ -15,9 +15,11 @@ def rope_kv_cache(
     positions: torch.Tensor,
 ) -> torch.Tensor:  # fmt: skip
     """Rotary embedding of q and k in bf16 qkv [T, 3, heads, head_dim] (products in fp32, each half
-    rounded to bf16 once) with fp32 cos, sin [T, ..., head_dim / 2]; k and v stored into one layer's
-    cache [2, rows, heads, max_seq_len, head_dim] at each token's (row, position). -> q [T, heads,
-    head_dim], rotated in place in qkv."""
+    rounded to bf16 once) with fp32 cos, sin [T, ..., head_dim / 2]: q rotated in place, k rotated
+    into one layer's cache [2, rows, heads, max_seq_len, head_dim] at each token's (row, position)
+    with v beside it; qkv's k and v are left as they were. -> q [T, heads, head_dim] (a view of qkv).
+    Rows and positions must lie in the cache: the CPU kernel checks them, the CUDA kernel (which
+    cannot without a host read) skips the cache write of a token outside it."""
     _ops._rope_kv_cache(qkv, cos, sin, kv_cache, rows, positions)
     return qkv[:, 0]
 
