@@ -12,9 +12,9 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import socket
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -43,12 +43,6 @@ def import_spkernels():
 
 
 # ---------------------------------------------------------------- processes
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
@@ -56,19 +50,22 @@ def under_torchrun() -> bool:
 def launch(worker: Callable, nprocs: int, backend: str, args) -> None:
     """Run ``worker(args)`` on every rank of an initialised process group.
 
-    Under torchrun this process is one rank; otherwise spawn ``nprocs`` processes on a free port.
+    Under torchrun this process is one rank; otherwise spawn ``nprocs`` processes that meet through a
+    file in a temporary folder (no TCP port to race for).
     """
     if under_torchrun():
         _entry(int(os.environ["LOCAL_RANK"]), None, None, backend, worker, args)
     else:
-        mp.spawn(_entry, args=(nprocs, free_port(), backend, worker, args), nprocs=nprocs, join=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            store = os.path.join(tmp, "store")
+            mp.spawn(_entry, args=(nprocs, store, backend, worker, args), nprocs=nprocs, join=True)
 
 
-def _entry(local_rank, nprocs, port, backend, worker, args) -> None:
-    if port is not None:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(local_rank))
+def _entry(local_rank, nprocs, store, backend, worker, args) -> None:
     kw = {"timeout": datetime.timedelta(minutes=60)}
+    if store is not None:
+        os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(local_rank))
+        kw.update(init_method=f"file://{store}", rank=local_rank, world_size=nprocs)
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
         kw["device_id"] = torch.device("cuda", local_rank)

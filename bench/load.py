@@ -258,12 +258,12 @@ class Load:
         }
 
 
-def worker(rank: int, tp: int, port: int, args, result_path: str) -> None:
+def worker(rank: int, tp: int, store: str, args, result_path: str) -> None:
     torch.cuda.set_device(rank)
     os.environ["SPK_FUSED"] = args.fused
     dist.init_process_group(
         "nccl",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"file://{store}",
         rank=rank,
         world_size=tp,
         timeout=datetime.timedelta(seconds=args.timeout),
@@ -351,13 +351,13 @@ def main(argv=None) -> int:
         print(f"LOAD skipped: needs {args.nprocs} CUDA GPUs, found {have}")
         return 2
     sys.path.insert(0, str(REPO / "bench"))
-    from common import free_port, machine_info
+    from common import machine_info
 
     with tempfile.TemporaryDirectory(prefix="spk_load_") as tmp:
         result_path = os.path.join(tmp, "results.json")
         ctx = mp.start_processes(
             worker,
-            args=(args.nprocs, free_port(), args, result_path),
+            args=(args.nprocs, os.path.join(tmp, "store"), args, result_path),
             nprocs=args.nprocs,
             join=False,
             start_method="spawn",

@@ -346,8 +346,20 @@ def test_communicator_arguments_override_the_environment(monkeypatch, group1):
         ({"barrier_timeout": float("inf")}, "barrier_timeout"),
         ({"barrier_timeout": "2"}, "barrier_timeout"),
         ({"barrier_timeout": True}, "barrier_timeout"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 8.0}, "max_tokens"),
+        ({"hidden_size": -8}, "hidden_size"),
+        ({"hidden_size": True}, "hidden_size"),
+        ({"hc": 0}, "hc"),
+        ({"device": "meta"}, "device"),
     ],
 )
 def test_communicator_bad_setting_is_named(group1, kwargs, named):
     with pytest.raises(ValueError, match=rf"\b{named}\b"):
-        Communicator(group1, max_tokens=8, hidden_size=8, **kwargs)
+        Communicator(group1, **{"max_tokens": 8, "hidden_size": 8, **kwargs})
+
+
+def test_communicator_needs_a_process_group(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match="torch.distributed to be initialised"):
+        Communicator(max_tokens=8, hidden_size=8)

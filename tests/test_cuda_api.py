@@ -2,7 +2,8 @@
 torch.ops call it stands for, sinkhorn_eps != hc_eps honoured by the CUDA kernels (against
 reference.py), the vLLM-convention functions against the restatement of vLLM's math in
 test_vllm_cpu.py, and CUDA-graph capture through the functions. The tp > 1 boundaries on GPUs are
-the ops' own tests (test_cuda_comm.py): the functions add no code there.
+the ops' own tests (test_cuda_comm.py); the functions' reshapes around them run at tp = 2 on CPU
+(test_vllm_cpu.py).
 """
 
 from __future__ import annotations

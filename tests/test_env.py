@@ -13,6 +13,8 @@ import torch
 from spkernels import _library, env
 from spkernels._library import BUILD_INFO, check_torch_matches_build
 
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
 
 def run_python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -42,13 +44,18 @@ def test_env_prints_versions_gpus_backends():
     )
     backends = lines["backends"].split(", ")
     assert backends[0] == "gloo"
-    if torch.cuda.is_available():
-        count = sum(int(kind.split(" x ")[0]) for kind in lines["gpus"].split(", "))
-        assert count == torch.cuda.device_count()
-        assert ("nccl" in backends) == _library.HAS_CUDA_KERNELS
-    else:
+    if not torch.cuda.is_available():  # with GPUs: test_gpu_env_counts_gpus_and_backends
         assert lines["gpus"] == "none"
         assert backends == ["gloo"]
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_env_counts_gpus_and_backends():
+    lines = env_lines()
+    count = sum(int(kind.split(" x ")[0]) for kind in lines["gpus"].split(", "))
+    assert count == torch.cuda.device_count()
+    assert _library.HAS_CUDA_KERNELS and "nccl" in lines["backends"].split(", ")
 
 
 @pytest.mark.parametrize(
@@ -75,11 +82,15 @@ def test_build_record_matches_this_environment():
     """The editable build (or installed wheel) under test was made here: the record says so."""
     assert BUILD_INFO.TORCH_VERSION == str(torch.__version__)
     assert (BUILD_INFO.CUDA_VERSION is not None) == _library.HAS_CUDA_KERNELS
-    if _library.HAS_CUDA_KERNELS:
-        assert BUILD_INFO.CUDA_VERSION == torch.version.cuda
-        assert tuple(int(p) for p in BUILD_INFO.NCCL_VERSION.split(".")) == _library.COMPILED_NCCL_VERSION
-    else:
+    if not _library.HAS_CUDA_KERNELS:  # a CUDA build: test_gpu_build_record_names_cuda_and_nccl
         assert BUILD_INFO.NCCL_VERSION is None
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_build_record_names_cuda_and_nccl():
+    assert _library.HAS_CUDA_KERNELS and BUILD_INFO.CUDA_VERSION == torch.version.cuda
+    assert tuple(int(p) for p in BUILD_INFO.NCCL_VERSION.split(".")) == _library.COMPILED_NCCL_VERSION
 
 
 class Build:

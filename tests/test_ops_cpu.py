@@ -178,6 +178,12 @@ def test_partial_buffer_tp1(mhc, comm1):
     buf.copy_(partial)
     for op in (ops.mhc_post_rs, ops.mhc_post_ar):
         assert torch.equal(op(buf, stream, post_mix, res_mix, h), op(partial, stream, post_mix, res_mix, h))
+    # one buffer of the communicator: every call a view of its first rows, the same memory
+    again = comm1.partial_buffer(comm1.max_tokens)
+    assert again.data_ptr() == buf.data_ptr() and torch.equal(again[:T], partial)
+    for bad in (0, comm1.max_tokens + 1):
+        with pytest.raises(ValueError, match="num_tokens must be in"):
+            comm1.partial_buffer(bad)
 
 
 # ----------------------------------------------------------------------------- barrier timeout
@@ -463,10 +469,14 @@ def bad_cases():
                 for kind in tensor_kinds(op_name, a.name):
                     yield pytest.param(op_name, a.name, kind, id=f"{op_name}-{a.name}-{kind}")
             elif a.name == "sinkhorn_iters":
-                yield pytest.param(op_name, a.name, "zero", id=f"{op_name}-{a.name}-zero")
+                for kind in ("zero", "huge"):
+                    yield pytest.param(op_name, a.name, kind, id=f"{op_name}-{a.name}-{kind}")
         if op_name in COMM_OPS:
-            # sp_shard is pure indexing that never touches the communicator's buffers: no capacity.
-            for kind in ("closed", "unknown") + (() if op_name == "sp_shard" else ("capacity",)):
+            # sp_shard is pure indexing that never touches the communicator's buffers: no capacity;
+            # the gathers take rows of any width: no hidden size.
+            kinds = ("closed", "unknown") + (() if op_name == "sp_shard" else ("capacity",))
+            kinds += () if op_name.startswith("sp_") else ("hidden",)
+            for kind in kinds:
                 yield pytest.param(op_name, "comm", kind, id=f"{op_name}-comm-{kind}")
     for kind in ("negative", "too_many"):
         yield pytest.param("sp_all_gather", "num_tokens", kind, id=f"sp_all_gather-num_tokens-{kind}")
@@ -487,12 +497,18 @@ def test_valid_args_succeed(mhc, small_comm, op_name):
 
 
 @pytest.mark.parametrize("op_name, arg, kind", list(bad_cases()))
-def test_bad_argument_is_named(mhc, small_comm, op_name, arg, kind):
+def test_bad_argument_is_named(request, mhc, small_comm, op_name, arg, kind):
     args = valid_args(mhc, op_name, small_comm.handle)
     if kind == "ndim0":
         args[arg] = mhc.randn(())
     elif kind == "zero":
         args[arg] = 0
+    elif kind == "huge":
+        args[arg] = 1001
+    elif kind == "hidden":  # a communicator of another hidden size
+        other = Communicator(small_comm.group, max_tokens=BAD_CAPACITY, hidden_size=BAD_D + 8)
+        request.addfinalizer(other.close)
+        args[arg] = other.handle
     elif kind == "closed":
         closed = Communicator(small_comm.group, max_tokens=BAD_CAPACITY, hidden_size=BAD_D)
         closed.close()
@@ -507,7 +523,7 @@ def test_bad_argument_is_named(mhc, small_comm, op_name, arg, kind):
         args[arg] = BAD_T + 1
     else:
         args[arg] = mutate(args[arg], kind, mhc)
-    named = "max_tokens" if kind == "capacity" else arg
+    named = {"capacity": "max_tokens", "hidden": "hidden_size"}.get(kind, arg)
     with pytest.raises((ValueError, RuntimeError), match=rf"\b{re.escape(named)}\b") as err:
         getattr(ops, op_name)(*args.values())
     # The dispatcher's own type errors quote the whole schema, which names every argument.

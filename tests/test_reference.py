@@ -110,46 +110,47 @@ def sigmoid(v: float) -> float:
     return 1.0 / (1.0 + math.exp(-v))
 
 
-def py_coefficients(X, fn, scale, base, iters):
+def py_coefficients(X, fn, scale, base, iters, rms_eps=EPS, hc_eps=EPS, sk_eps=EPS, alpha=2.0):
     """The contract's coefficient steps for one token, written out with lists. X: hc lists of D floats."""
     hc, D = len(X), len(X[0])
     x = [X[i][d] for i in range(hc) for d in range(D)]
-    r = 1.0 / math.sqrt(sum(v * v for v in x) / len(x) + EPS)
+    r = 1.0 / math.sqrt(sum(v * v for v in x) / len(x) + rms_eps)
     m = [sum(fn[k][n] * x[n] for n in range(len(x))) * r for k in range(len(fn))]
-    pre = [sigmoid(m[j] * scale[0] + base[j]) + EPS for j in range(hc)]
-    post = [2.0 * sigmoid(m[hc + j] * scale[1] + base[hc + j]) for j in range(hc)]
+    pre = [sigmoid(m[j] * scale[0] + base[j]) + hc_eps for j in range(hc)]
+    post = [alpha * sigmoid(m[hc + j] * scale[1] + base[hc + j]) for j in range(hc)]
     C = [
         [m[2 * hc + i * hc + j] * scale[2] + base[2 * hc + i * hc + j] for j in range(hc)] for i in range(hc)
     ]
-    for i in range(hc):  # softmax over j of each row i, + hc_eps
+    for i in range(hc):  # softmax over j of each row i, + the Sinkhorn eps
         top = max(C[i])
         e = [math.exp(v - top) for v in C[i]]
-        C[i] = [v / sum(e) + EPS for v in e]
+        C[i] = [v / sum(e) + sk_eps for v in e]
 
     def normalise_columns():
         for j in range(hc):
-            s = sum(C[i][j] for i in range(hc)) + EPS
+            s = sum(C[i][j] for i in range(hc)) + sk_eps
             for i in range(hc):
                 C[i][j] /= s
 
     normalise_columns()
     for _ in range(iters - 1):
         for i in range(hc):
-            s = sum(C[i]) + EPS
+            s = sum(C[i]) + sk_eps
             C[i] = [v / s for v in C[i]]
         normalise_columns()
     return pre, post, C
 
 
-def py_pre(X, fn, scale, base, norm_weight, pre_mix_in, iters):
+def py_pre(X, fn, scale, base, norm_weight, pre_mix_in, iters, rms_eps=EPS, hc_eps=EPS, norm_eps=EPS,
+           sk_eps=EPS, alpha=2.0):  # fmt: skip
     hc, D = len(X), len(X[0])
-    pre, post, C = py_coefficients(X, fn, scale, base, iters)
+    pre, post, C = py_coefficients(X, fn, scale, base, iters, rms_eps, hc_eps, sk_eps, alpha)
     w = pre if pre_mix_in is None else pre_mix_in
     y_b = [to_bf16(sum(w[i] * X[i][d] for i in range(hc))) for d in range(D)]
     if norm_weight is None:
         layer_input = y_b
     else:
-        s = 1.0 / math.sqrt(sum(v * v for v in y_b) / D + EPS)
+        s = 1.0 / math.sqrt(sum(v * v for v in y_b) / D + norm_eps)
         layer_input = [to_bf16(y_b[d] * s * norm_weight[d]) for d in range(D)]
     return layer_input, post, C, pre
 
@@ -168,24 +169,33 @@ def test_to_bf16_matches_torch(mhc):
     assert [to_bf16(x) for x in v.tolist()] == v.to(bf16).to(f64).tolist()
 
 
+# (rms_eps, hc_eps, norm_eps, sinkhorn_eps, post_alpha): the defaults, and each one its own value,
+# so that a swapped or dropped eps shows
+EPS_SETS = {"defaults": (EPS, EPS, EPS, EPS, 2.0), "distinct": (1e-3, 2e-2, 0.25, 5e-2, 1.5)}
+
+
 @pytest.mark.parametrize("iters", [1, 3, 20])
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("delayed", [True, False])
-def test_tiny_case_against_plain_python(mhc, iters, norm, delayed):
+@pytest.mark.parametrize("eps_set", list(EPS_SETS))
+def test_tiny_case_against_plain_python(mhc, iters, norm, delayed, eps_set):
     """hc = 4, D = 8, two tokens: reference.py in fp64 equals the loop version of the contract's math."""
     T, D = 2, 8
+    rms_eps, hc_eps, norm_eps, sk_eps, alpha = EPS_SETS[eps_set]
     stream = mhc.stream(T, D)
     p = mhc.site(D, norm=norm)
     pre_in = mhc.pre_mix_in(T).to(f64) if delayed else None
-    eps = (EPS, EPS, EPS, iters, 2.0)
+    eps = (rms_eps, hc_eps, norm_eps, iters, alpha)
     got = ref.mhc_pre(
-        stream, p["fn"], p["scale"], p["base"], p["norm_weight"], pre_in, *eps, compute_dtype=f64
-    )
+        stream, p["fn"], p["scale"], p["base"], p["norm_weight"], pre_in, *eps, compute_dtype=f64,
+        sinkhorn_eps=sk_eps,
+    )  # fmt: skip
     nw = p["norm_weight"].to(f64).tolist() if norm else None
     for t in range(T):
         X = stream[t].to(f64).tolist()
         want = py_pre(X, p["fn"].tolist(), p["scale"].tolist(), p["base"].tolist(), nw,
-                      None if pre_in is None else pre_in[t].tolist(), iters)  # fmt: skip
+                      None if pre_in is None else pre_in[t].tolist(), iters, rms_eps, hc_eps, norm_eps,
+                      sk_eps, alpha)  # fmt: skip
         # bf16 values: both sides round the same double-precision value at the same points;
         # only summation order differs (~1e-16), so any flip would be a real disagreement.
         assert got[0][t].to(f64).tolist() == want[0]
@@ -219,11 +229,18 @@ def test_post_pre_is_post_then_pre(mhc):
     stream, y = mhc.stream(T, D), mhc.y(T, D)
     post_mix, res_mix = mhc.mixes(T)
     p = mhc.site(D)
-    out = ref.mhc_post_pre(y, stream, post_mix, res_mix, p["fn"], p["scale"], p["base"], p["norm_weight"])
-    new = ref.mhc_post(y, stream, post_mix, res_mix)
-    assert torch.equal(out[0], new)
-    for a, b in zip(out[1:], ref.mhc_pre(new, p["fn"], p["scale"], p["base"], p["norm_weight"]), strict=True):
-        assert torch.equal(a, b)
+    out = ref.mhc_post_pre(
+        y, stream, post_mix, res_mix, p["fn"], p["scale"], p["base"], p["norm_weight"], compute_dtype=f64
+    )
+    nw = p["norm_weight"].to(f64).tolist()
+    for t in range(T):  # against the plain-Python post, then pre, not reference.py's own two functions
+        yt, Xt = y[t].to(f64).tolist(), stream[t].to(f64).tolist()
+        X = py_post(yt, Xt, post_mix[t].tolist(), res_mix[t].tolist())
+        assert out[0][t].to(f64).tolist() == X
+        want = py_pre(X, p["fn"].tolist(), p["scale"].tolist(), p["base"].tolist(), nw, None, 20)
+        assert out[1][t].to(f64).tolist() == want[0]
+        assert out[2][t].tolist() == pytest.approx(want[1], rel=1e-6, abs=1e-7)
+        assert out[3][t].tolist() == [pytest.approx(row, rel=1e-6, abs=1e-7) for row in want[2]]
 
 
 def test_head_against_plain_python(mhc):

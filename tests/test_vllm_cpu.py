@@ -1,7 +1,8 @@
 """spkernels.integrations.vllm on CPU: each function against a restatement of vLLM's mHC math
 written here from its public interface (independent of reference.py), in fp64, with vLLM's
-argument order and return shapes; the TP/SP boundaries against the local functions at tp = 1
-(tp = 2 is in test_distributed_cpu.py); the Communicator built from a group coordinator.
+argument order and return shapes; the TP/SP boundaries against the local functions at tp = 1 and,
+over gloo, at tp = 2 (on the reduced partial: fp32 in rank order, one rounding); the Communicator
+built from a group coordinator.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import pytest
 import spkernels
 import torch
+import torch.distributed as dist
+from distributed import run_distributed
 from spkernels.integrations import vllm
 
 f64, bf16 = torch.float64, torch.bfloat16
@@ -222,6 +225,84 @@ def test_boundaries_tp1(mhc, group1, delayed):
         for i, (a, b) in enumerate(zip(pre_sp, pre_local, strict=True)):
             assert torch.equal(a, b), f"sp_mhc_pre: output {i}"
         assert torch.equal(vllm.sp_all_gather(vllm.sp_shard(residual, comm), T, comm), residual)
+
+
+# ----------------------------------------------------------------------------- boundaries at tp = 2
+def _boundaries_tp2(rank: int, tp: int, case: dict) -> dict:
+    """Every TP / SP function of the integration on this rank's partial; SP results gathered."""
+    T, D, x = case["T"], case["D"], case["partials"][rank]
+    residual, post_in, comb_in, carried = case["residual"], case["post"], case["comb"], case["carried"]
+    fn, scale, base, nw = case["site"]
+    kw = {"norm_weight": nw, "norm_eps": NORM_EPS}
+    out = {}
+    coordinator = GroupCoordinator(dist.group.WORLD)
+    with vllm.communicator_for_group(coordinator, max_tokens=T, hidden_size=D) as comm:
+
+        def shard(t):
+            return None if t is None else vllm.sp_shard(t, comm)
+
+        def gather(ts):
+            return [vllm.sp_all_gather(t, T, comm) if t.shape[0] * tp == T else t for t in ts]
+
+        site_args = (fn, scale, base, *SCALARS)
+        out["tp_post"] = vllm.tp_mhc_post(x, residual, post_in, comb_in, comm=comm)
+        out["tp_boundary"] = vllm.tp_mhc_fused_post_pre(
+            x, residual, post_in, comb_in, *site_args, **kw, comm=comm, pre_mix=carried
+        )
+        r_sh, p_sh, c_sh = shard(residual), shard(post_in), shard(comb_in)
+        out["sp_post"] = gather([vllm.sp_mhc_post(x, r_sh, p_sh, c_sh, comm=comm)])[0]
+        out["sp_boundary"] = gather(vllm.sp_mhc_fused_post_pre(
+            x, r_sh, p_sh, c_sh, *site_args, **kw, comm=comm, pre_mix=shard(carried)
+        ))  # fmt: skip
+        out["sp_pre"] = gather(vllm.sp_mhc_pre(r_sh, *site_args, **kw, comm=comm, pre_mix=shard(carried)))
+    return out
+
+
+@pytest.mark.parametrize("delayed", [True, False], ids=["delayed", "fresh"])
+def test_boundaries_tp2(mhc, delayed):
+    """At tp = 2 the TP and SP functions (SP on residual shards, gathered) equal the local ones on
+    the reduced partial: bitwise where the result is a post, to a bf16 step / the mixes' tolerance
+    where it comes from a pre; the TP results are bitwise identical on both ranks."""
+    tp, T, D = 2, 6, 64
+    post_in, comb_in = mhc.mixes(T)
+    case = {
+        "T": T, "D": D, "residual": mhc.stream(T, D), "post": post_in.unsqueeze(-1), "comb": comb_in,
+        "partials": [mhc.y(T, D) for _ in range(tp)], "site": site(mhc, D),
+        "carried": mhc.pre_mix_in(T) if delayed else None,
+    }  # fmt: skip
+    results = run_distributed(tp, _boundaries_tp2, case)
+    for name in ("tp_post", "tp_boundary"):  # bitwise identical on every rank
+        for a, b in zip(results[0][name], results[1][name], strict=True):
+            assert torch.equal(a, b), name
+    got = results[0]
+    y = sum(p.float() for p in case["partials"]).to(torch.bfloat16)  # the reference reduction
+    fn, scale, base, nw = case["site"]
+    kw = {"norm_weight": nw, "norm_eps": NORM_EPS}
+    residual, post, comb, carried = case["residual"], case["post"], case["comb"], case["carried"]
+    args = (y, residual, post, comb, fn, scale, base, *SCALARS)
+    if delayed:
+        boundary = vllm.mhc_fused_post_pre_delayed(*args, carried, **kw)
+        pre = vllm.mhc_pre_delayed(residual, fn, scale, base, *SCALARS, pre_mix=carried, **kw)
+    else:
+        boundary = vllm.mhc_fused_post_pre(*args, **kw)
+        pre = vllm.mhc_pre(residual, fn, scale, base, *SCALARS, **kw)
+    post_out = vllm.mhc_post(y, residual, post, comb)
+    assert torch.equal(got["tp_post"], post_out)
+    assert torch.equal(got["sp_post"], post_out.view(T, -1, D))
+    for name in ("tp_boundary", "sp_boundary"):  # the new residual: a post
+        assert torch.equal(got[name][0].view(boundary[0].shape), boundary[0]), name
+    # The pre's outputs: its fp32 products ran in other processes (other CPU thread counts), in SP
+    # over a shard's rows: equal up to the last bit.
+    pres = (("tp_boundary", got["tp_boundary"][1:], boundary[1:]), ("sp_boundary", got["sp_boundary"][1:],
+            boundary[1:]), ("sp_pre", got["sp_pre"], pre))  # fmt: skip
+    for name, outs, want in pres:
+        assert len(outs) == len(want), name
+        for i, (a, b) in enumerate(zip(outs, want, strict=True)):
+            a = a.view(b.shape)
+            if b.dtype == torch.bfloat16:  # the layer input
+                torch.testing.assert_close(a.double(), b.double(), rtol=2**-7, atol=0, msg=f"{name} {i}")
+            else:
+                mhc.assert_mix_close(a, b, f"{name} {i}")
 
 
 def test_communicator_for_group(group1):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import socket
+import tempfile
 from statistics import median
 
 import torch
@@ -51,7 +51,7 @@ def summarize(spans: list[tuple[str, float, float]], calls: int) -> list[str]:
     return lines
 
 
-def worker(rank: int, world: int, port: int, args) -> None:
+def worker(rank: int, world: int, store: str, args) -> None:
     import spkernels
     from spkernels.runner.launch import exit_without_teardown
 
@@ -60,7 +60,7 @@ def worker(rank: int, world: int, port: int, args) -> None:
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     dist.init_process_group(
-        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        "nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=world
     )
     ops = torch.ops.spkernels
     Ts = [int(t) for t in args.T.split(",")]
@@ -125,11 +125,9 @@ def main() -> None:
     p.add_argument("--cpu", action="store_true", help="gloo and the CPU ops even when GPUs exist")
     args = p.parse_args()
     world = 2 if args.cpu or not torch.cuda.is_available() else torch.cuda.device_count()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(worker, args=(world, port, args), nprocs=world, join=True)
+    with tempfile.TemporaryDirectory() as tmp:  # the ranks meet through a file: no TCP port to race for
+        mp.spawn(worker, args=(world, os.path.join(tmp, "store"), args), nprocs=world, join=True)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ import argparse
 import datetime
 import math
 import os
-import socket
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -113,11 +113,11 @@ def comm_calls(comm, T_local: int, D: int, seed: int) -> int:
     return 13
 
 
-def comm_worker(rank: int, world_size: int, port: int) -> None:
+def comm_worker(rank: int, world_size: int, store: str) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group(
         "nccl",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"file://{store}",
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=600),
@@ -139,12 +139,6 @@ def comm_worker(rank: int, world_size: int, port: int) -> None:
     print(f"rank {rank}: {calls} comm calls", flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["local", "comm"], required=True)
@@ -159,7 +153,9 @@ def main() -> None:
     if torch.cuda.device_count() < args.nprocs:
         sys.exit(f"comm mode needs {args.nprocs} GPUs, found {torch.cuda.device_count()}")
     # join=True raises if a rank fails, so DONE is printed only when every rank finished.
-    mp.start_processes(comm_worker, args=(args.nprocs, free_port()), nprocs=args.nprocs, start_method="spawn")
+    with tempfile.TemporaryDirectory() as tmp:  # the ranks meet through a file: no TCP port to race for
+        store = os.path.join(tmp, "store")
+        mp.start_processes(comm_worker, args=(args.nprocs, store), nprocs=args.nprocs, start_method="spawn")
     print(f"SANITIZE_OPS DONE mode=comm nprocs={args.nprocs}", flush=True)
 
 

@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import os
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -497,20 +496,14 @@ def worker(rank: int, world_size: int, opts: RunOptions) -> dict | None:
     return results
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawned(rank: int, opts: RunOptions, port: int, out_path: str):
+def _spawned(rank: int, opts: RunOptions, store: str, out_path: str):
     backend = "nccl" if opts.device == "cuda" else "gloo"
     if opts.device == "cuda":
         torch.cuda.set_device(rank)
     else:  # share the cores instead of oversubscribing them tp times
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (opts.tp * opts.pp)))
     world = opts.tp * opts.pp
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         results = worker(rank, world, opts)
         if rank == 0:
@@ -551,5 +544,6 @@ def launch(opts: RunOptions) -> dict:
         return worker(0, 1, opts)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "results.pt")
-        mp.spawn(_spawned, args=(opts, _free_port(), out_path), nprocs=opts.tp * opts.pp, join=True)
+        store = os.path.join(tmp, "store")  # the ranks meet through a file: no TCP port to race for
+        mp.spawn(_spawned, args=(opts, store, out_path), nprocs=opts.tp * opts.pp, join=True)
         return torch.load(out_path, weights_only=False)
