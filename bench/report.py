@@ -261,9 +261,8 @@ def plot(path: Path, rows: list[dict]) -> bool:
 
 
 # The README's benchmark table: (label, op, T, D, baseline variant, baseline in words, target). Each
-# row comes from the first results file given that measured it: the one-GPU local-op grid (T = 1,
-# 8, 64, 512, 4096, 16384; torch.compile baselines primed) for the local ops, the two-GPU default
-# sweep for the collectives.
+# row comes from the first results file given that measured it: the one-GPU local-op grid (its
+# torch.compile baselines primed) for the local ops, the two-GPU default sweep for the collectives.
 README_ROWS = (
     ("`mhc_post_pre_rs_ag` (SP boundary)", "mhc_post_pre_rs_ag", 8192, 4096, "nccl+spkernels",
      "NCCL RS + local post_pre + NCCL AG", "≥ 2.5×, ≥ 0.85"),

@@ -190,7 +190,7 @@ def test_drafts_match_an_mtp_run_from_scratch():
     from spkernels.policy import SPPolicy
     from spkernels.runner.speculative import SpecRequest, SpeculativeEngine
 
-    torch.manual_seed(1)
+    gen = torch.Generator().manual_seed(1)
     config = preset("tiny", mtp_layers=1)
     weights = random_weights(config, 0, torch.device("cpu"))
 
@@ -199,7 +199,8 @@ def test_drafts_match_an_mtp_run_from_scratch():
         return model, MTPLayer(config, weights, "cpu", None, 3, 64, model)
 
     engine = SpeculativeEngine(*models(), SPPolicy(1, None, ()), 64, num_draft=2)
-    requests = [SpecRequest(i, torch.randint(0, 512, (n,)).tolist(), 20) for i, n in enumerate((4, 9, 1))]
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (4, 9, 1)]
+    requests = [SpecRequest(i, prompt, 20) for i, prompt in enumerate(prompts)]
     for _ in range(5):
         engine.step(requests)
     assert sum(s.drafted - s.accepted for s in engine.steps) > 0  # some drafts were rejected

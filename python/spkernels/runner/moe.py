@@ -39,18 +39,24 @@ def routed_experts(
     """Sum over this rank's experts e of gate[t, e] * expert_e(x_t): [T, D] fp32.
 
     ``local_gates`` [T, E_local] are the gates of the experts held here ([E_local, F, D] up/gate,
-    [E_local, D, F] down). Eagerly each expert runs on its routed tokens only; inside a CUDA graph
-    capture (no host reads of routing) every expert runs on every token, weighted by its gate.
+    [E_local, D, F] down). Eagerly each expert runs on its routed tokens only, found with one host
+    read of the routed counts per layer; inside a CUDA graph capture (no host reads) every expert
+    runs on every token, weighted by its gate. Both add each expert's rows in increasing row order,
+    so they give the same sums (an unrouted row adds zeros).
     """
-    capturing = layer_input.is_cuda and torch.cuda.is_current_stream_capturing()
+    T, E = local_gates.shape
     out = torch.zeros(layer_input.shape, dtype=torch.float32, device=layer_input.device)
-    for e in range(local_gates.shape[1]):
-        if capturing:
-            rows = torch.arange(layer_input.shape[0], device=layer_input.device)
-        else:
-            rows = local_gates[:, e].nonzero().squeeze(1)
-            if rows.numel() == 0:
-                continue
+    if layer_input.is_cuda and torch.cuda.is_current_stream_capturing():
+        every = torch.arange(T, device=layer_input.device)
+        rows_of = [every] * E
+    else:
+        routed = local_gates.t() != 0  # [E, T]
+        counts = routed.sum(dim=1).tolist()  # the one host read
+        pairs = torch.nonzero_static(routed, size=sum(counts))  # (expert, row), expert-major, rows ascending
+        rows_of = torch.split(pairs[:, 1], counts)
+    for e, rows in enumerate(rows_of):
+        if rows.numel() == 0:
+            continue
         x = layer_input[rows]
         act = (F.silu((x @ w_gate[e].t()).float()) * (x @ w_up[e].t()).float()).to(torch.bfloat16)
         y = (act @ w_down[e].t()).float() * local_gates[rows, e].unsqueeze(1)
