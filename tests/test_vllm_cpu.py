@@ -241,7 +241,7 @@ def _boundaries_tp2(rank: int, tp: int, case: dict) -> dict:
         def shard(t):
             return None if t is None else vllm.sp_shard(t, comm)
 
-        def gather(ts):
+        def gather(ts):  # the shards' rows gathered; the layer input is whole already
             return [vllm.sp_all_gather(t, T, comm) if t.shape[0] * tp == T else t for t in ts]
 
         site_args = (fn, scale, base, *SCALARS)
