@@ -36,6 +36,15 @@ COMM_OPS += ["mhc_post_ar", "mhc_post_pre_ar"]
 SP_PARTIAL_OPS = ("mhc_post_rs", "mhc_post_pre_rs_ag")  # partial is [tp * T_local, D]
 VEC16_ARGS = ("y", "partial", "fn", "norm_weight")  # and the stream: read in 16-byte vectors
 # Whole consistent calls at another (hc, D): only the hc / D rule is broken.
+# Scalars that would divide a zero row by zero (> 0 needed) or are not numbers (as test_ops_cpu.py).
+BAD_EPS = {
+    "rms_eps": ("eps_zero", "eps_nan"),
+    "hc_eps": ("eps_negative",),
+    "norm_eps": ("eps_zero",),
+    "sinkhorn_eps": ("eps_zero",),
+    "post_alpha": ("eps_nan",),
+}
+BAD_EPS_VALUE = {"eps_zero": 0.0, "eps_nan": float("nan"), "eps_negative": -1e-3}
 SHAPE_KINDS = {"hc3": (3, D), "d_not8": (4, 60), "d_big": (4, 8200), "hidden": (4, 72)}
 
 
@@ -165,6 +174,8 @@ def bad_cases(op_names: list[str]) -> list[tuple[str, str, str]]:
                     cases += [(op_name, "stream", k) for k in kinds]
             elif a.name == "sinkhorn_iters":
                 cases += [(op_name, a.name, "zero"), (op_name, a.name, "huge")]
+            elif a.name in BAD_EPS:
+                cases += [(op_name, a.name, k) for k in BAD_EPS[a.name]]
         if op_name in COMM_OPS:
             # sp_shard never touches the communicator's buffers: no capacity.
             for kind in ("closed", "unknown") + (() if op_name == "sp_shard" else ("capacity",)):
@@ -187,6 +198,8 @@ def bad_args(g: MHCInputs, op_name: str, arg: str, kind: str, comm: int, closed:
         args[arg] = 0
     elif kind == "huge":
         args[arg] = 1001
+    elif kind in BAD_EPS_VALUE:
+        args[arg] = BAD_EPS_VALUE[kind]
     elif kind == "closed":
         args[arg] = closed
     elif kind == "unknown":

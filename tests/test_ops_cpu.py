@@ -462,6 +462,17 @@ def tensor_kinds(op_name: str, arg: str) -> list[str]:
     return kinds
 
 
+# Scalars that would divide a zero row by zero (> 0 needed) or are not numbers at all.
+BAD_EPS = {
+    "rms_eps": ("eps_zero", "eps_nan"),
+    "hc_eps": ("eps_negative",),
+    "norm_eps": ("eps_zero",),
+    "sinkhorn_eps": ("eps_zero",),
+    "post_alpha": ("eps_nan",),
+}
+BAD_EPS_VALUE = {"eps_zero": 0.0, "eps_nan": float("nan"), "eps_negative": -1e-3}
+
+
 def bad_cases():
     for op_name in LOCAL_OPS + COMM_OPS:
         for a in schema_args(op_name):
@@ -470,6 +481,9 @@ def bad_cases():
                     yield pytest.param(op_name, a.name, kind, id=f"{op_name}-{a.name}-{kind}")
             elif a.name == "sinkhorn_iters":
                 for kind in ("zero", "huge"):
+                    yield pytest.param(op_name, a.name, kind, id=f"{op_name}-{a.name}-{kind}")
+            elif a.name in BAD_EPS:
+                for kind in BAD_EPS[a.name]:
                     yield pytest.param(op_name, a.name, kind, id=f"{op_name}-{a.name}-{kind}")
         if op_name in COMM_OPS:
             # sp_shard is pure indexing that never touches the communicator's buffers: no capacity;
@@ -505,6 +519,8 @@ def test_bad_argument_is_named(request, mhc, small_comm, op_name, arg, kind):
         args[arg] = 0
     elif kind == "huge":
         args[arg] = 1001
+    elif kind in BAD_EPS_VALUE:
+        args[arg] = BAD_EPS_VALUE[kind]
     elif kind == "hidden":  # a communicator of another hidden size
         other = Communicator(small_comm.group, max_tokens=BAD_CAPACITY, hidden_size=BAD_D + 8)
         request.addfinalizer(other.close)

@@ -178,13 +178,15 @@ EPS_SETS = {"defaults": (EPS, EPS, EPS, EPS, 2.0), "distinct": (1e-3, 2e-2, 0.25
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("delayed", [True, False])
 @pytest.mark.parametrize("eps_set", list(EPS_SETS))
-def test_tiny_case_against_plain_python(mhc, iters, norm, delayed, eps_set):
-    """hc = 4, D = 8, two tokens: reference.py in fp64 equals the loop version of the contract's math."""
+@pytest.mark.parametrize("hc", [4, 2])
+def test_tiny_case_against_plain_python(mhc, iters, norm, delayed, eps_set, hc):
+    """D = 8, two tokens, hc = 4 (and 2: the math and the CPU ops take any hc; only the CUDA kernels
+    specialise 4): reference.py in fp64 equals the loop version of the contract's math."""
     T, D = 2, 8
     rms_eps, hc_eps, norm_eps, sk_eps, alpha = EPS_SETS[eps_set]
-    stream = mhc.stream(T, D)
-    p = mhc.site(D, norm=norm)
-    pre_in = mhc.pre_mix_in(T).to(f64) if delayed else None
+    stream = mhc.stream(T, D, hc)
+    p = mhc.site(D, hc, norm=norm)
+    pre_in = mhc.pre_mix_in(T, hc).to(f64) if delayed else None
     eps = (rms_eps, hc_eps, norm_eps, iters, alpha)
     got = ref.mhc_pre(
         stream, p["fn"], p["scale"], p["base"], p["norm_weight"], pre_in, *eps, compute_dtype=f64,

@@ -522,11 +522,24 @@ def test_schedule_decode_first_within_budget():
         (dict(gen=0), ValueError, "--gen"),
         (dict(repeat=0), ValueError, "--repeat must be an int >= 1"),
         (dict(warmup=-1), ValueError, "--warmup must be an int >= 0"),
+        (dict(prompt_lens=None, prompts=0), ValueError, "--prompts must be an int >= 1"),
+        (dict(prompt_lens=None, prompt_len=0), ValueError, "--prompt-len must be an int >= 1"),
+        (dict(check=True, check_atol=-1.0), ValueError, "--check-atol must be a finite number"),
+        (dict(load_weights="/nonexistent/weights.safetensors"), ValueError, "no such file"),
     ],
 )
 def test_impossible_configs_raise(changes, error, match):
     with pytest.raises(error, match=match):
         plan(options(**changes))
+
+
+def test_cli_rejects_an_unusable_out_folder_before_running(tmp_path, capsys):
+    from spkernels.runner.__main__ import main
+
+    taken = tmp_path / "a_file"
+    taken.write_text("")
+    assert main(["--device", "cpu", "--out", str(taken)]) == 2
+    assert "--out" in capsys.readouterr().err
 
 
 def test_capacity_covers_every_step():

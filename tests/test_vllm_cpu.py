@@ -241,7 +241,7 @@ def _boundaries_tp2(rank: int, tp: int, case: dict) -> dict:
         def shard(t):
             return None if t is None else vllm.sp_shard(t, comm)
 
-        def gather(ts):
+        def gather(ts):  # the shards' rows gathered; the layer input is whole already
             return [vllm.sp_all_gather(t, T, comm) if t.shape[0] * tp == T else t for t in ts]
 
         site_args = (fn, scale, base, *SCALARS)
@@ -328,3 +328,54 @@ def test_compile_fullgraph(mhc):
     torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(residual, x), layer(residual, x))
+
+
+# ----------------------------------------------------------------------------- bad input, empty input
+def local_call_args(mhc, T: int, D: int = 64):
+    residual, x = mhc.stream(T, D), mhc.y(T, D)
+    post_in, comb_in = mhc.mixes(T)
+    fn, scale, base, nw = site(mhc, D)
+    return residual, x, post_in.unsqueeze(-1), comb_in, (fn, scale, base, *SCALARS), nw, mhc.pre_mix_in(T)
+
+
+@pytest.mark.parametrize(
+    "name, change, match",
+    [
+        ("transposed post mix", {"post": lambda t: t.transpose(0, 1).contiguous()}, "post_layer_mix"),
+        ("x of another width", {"x": lambda t: t.reshape(16, 32)}, r"\bx\b"),
+        ("x of fewer rows", {"x": lambda t: t[:7]}, r"\bx\b"),
+        ("transposed comb mix rows", {"comb": lambda t: t.reshape(4, 8, 4)}, "comb_res_mix"),
+        ("pre_mix transposed", {"pre_mix": lambda t: t.t().contiguous()}, "pre_mix"),
+        ("2-D residual", {"residual": lambda t: t.reshape(8, 256)}, "residual"),
+        ("residual a list", {"residual": lambda t: t.tolist()}, "residual"),
+    ],
+)  # fmt: skip
+def test_vllm_shapes_checked_before_reshaping(mhc, name, change, match):
+    """A tensor of the right size but the wrong shape is an error naming it, not a reinterpretation."""
+    residual, x, post, comb, site_args, nw, pre_mix = local_call_args(mhc, 8)
+    a = {"residual": residual, "x": x, "post": post, "comb": comb, "pre_mix": pre_mix}
+    a.update({k: f(a[k]) for k, f in change.items()})
+    calls = [
+        lambda: vllm.mhc_fused_post_pre_delayed(
+            a["x"], a["residual"], a["post"], a["comb"], *site_args, a["pre_mix"]
+        )
+    ]
+    if "pre_mix" not in change:
+        calls.append(lambda: vllm.mhc_post(a["x"], a["residual"], a["post"], a["comb"]))
+    if set(change) <= {"residual", "pre_mix"}:
+        calls.append(lambda: vllm.mhc_pre_delayed(a["residual"], *site_args, pre_mix=a["pre_mix"]))
+    for call in calls:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+def test_vllm_functions_take_no_tokens(mhc):
+    """T = 0 (an empty batch, or a rank's empty shard) runs and returns empty results, as the ops do."""
+    residual, x, post, comb, site_args, nw, pre_mix = local_call_args(mhc, 0)
+    kw = {"norm_weight": nw, "norm_eps": NORM_EPS}
+    assert vllm.mhc_post(x, residual, post, comb).shape == (0, 4, 64)
+    assert [t.shape for t in vllm.mhc_pre(residual, *site_args, **kw)] == [(0, 4, 1), (0, 4, 4), (0, 64)]
+    out = vllm.mhc_fused_post_pre_delayed(x, residual, post, comb, *site_args, pre_mix, **kw)
+    assert [t.shape for t in out] == [(0, 4, 64), (0, 4, 1), (0, 4, 4), (0, 64), (0, 4)]
+    fn, scale, base = mhc.head(64).values()
+    assert vllm.hc_head(residual, fn, scale, base, RMS_EPS, PRE_EPS).shape == (0, 64)

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <cmath>
 #include <string>
 #include <type_traits>
 
@@ -97,9 +98,18 @@ inline void check_post_args(const at::Tensor& stream, const at::Tensor& post_mix
   check_tensor("res_mix", res_mix, at::kFloat, {T, kHC, kHC}, stream.device());
 }
 
+// An eps: finite and > 0 where a zero row would otherwise divide by zero (the mean squares, the
+// norm, the Sinkhorn's sums), else >= 0. The CPU kernels' rule too (python/spkernels/ops.py).
+inline void check_eps(const char* name, double value, bool positive) {
+  SPK_CHECK(std::isfinite(value) && (positive ? value > 0 : value >= 0), name, " must be a finite number ",
+            positive ? ">" : ">=", " 0, got ", value);
+}
+
 inline void check_pre_args(const at::Tensor& stream, const at::Tensor& fn, const at::Tensor& scale,
                            const at::Tensor& base, const c10::optional<at::Tensor>& norm_weight,
-                           const c10::optional<at::Tensor>& pre_mix_in, int64_t sinkhorn_iters) {
+                           const c10::optional<at::Tensor>& pre_mix_in, double rms_eps, double hc_eps,
+                           double norm_eps, int64_t sinkhorn_iters, double post_alpha,
+                           c10::optional<double> sinkhorn_eps) {
   const int64_t T = stream.size(0), D = stream.size(2);
   check_tensor("fn", fn, at::kFloat, {kMix, kHC * D}, stream.device(), true);
   check_tensor("scale", scale, at::kFloat, {3}, stream.device());
@@ -107,6 +117,14 @@ inline void check_pre_args(const at::Tensor& stream, const at::Tensor& fn, const
   if (norm_weight) check_tensor("norm_weight", *norm_weight, at::kBFloat16, {D}, stream.device(), true);
   if (pre_mix_in) check_tensor("pre_mix_in", *pre_mix_in, at::kFloat, {T, kHC}, stream.device());
   SPK_CHECK(sinkhorn_iters >= 1 && sinkhorn_iters <= 1000, "sinkhorn_iters must be in [1, 1000], got ", sinkhorn_iters);
+  check_eps("rms_eps", rms_eps, true);
+  check_eps("hc_eps", hc_eps, false);
+  if (norm_weight) check_eps("norm_eps", norm_eps, true);
+  if (sinkhorn_eps)
+    check_eps("sinkhorn_eps", *sinkhorn_eps, true);
+  else
+    check_eps("sinkhorn_eps (None: hc_eps)", hc_eps, true);
+  SPK_CHECK(std::isfinite(post_alpha), "post_alpha must be a finite number, got ", post_alpha);
 }
 
 // sinkhorn_eps: the schemas' optional trailing argument, None = hc_eps.

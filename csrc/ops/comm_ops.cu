@@ -110,7 +110,8 @@ PreOut mhc_pre_ag_cuda(const Tensor& stream, const Tensor& fn, const Tensor& sca
                        c10::optional<double> sinkhorn_eps) {
   check_stream(stream);
   CommState& c = comm_for_stream(comm, stream, true);
-  check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, sinkhorn_iters);
+  check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, rms_eps, hc_eps, norm_eps, sinkhorn_iters,
+                 post_alpha, sinkhorn_eps);
   const c10::cuda::CUDAGuard guard(stream.device());
   const MhcEps eps = make_eps(rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha, sinkhorn_eps);
   TileArgs a = base_tile_args(stream);
@@ -135,7 +136,8 @@ PostPreOut mhc_post_pre_rs_ag_cuda(const Tensor& partial, const Tensor& stream, 
   CommState& c = comm_for_stream(comm, stream, true);
   check_sp_partial(c, partial, stream);
   check_post_args(stream, post_mix, res_mix);
-  check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, sinkhorn_iters);
+  check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, rms_eps, hc_eps, norm_eps, sinkhorn_iters,
+                 post_alpha, sinkhorn_eps);
   const c10::cuda::CUDAGuard guard(stream.device());
   if (!c.lsa) {
     Tensor new_stream = mhc_post_cuda(nccl_reduce(c, partial, stream.size(0), true), stream, post_mix, res_mix);
@@ -213,7 +215,8 @@ PostPreOut mhc_post_pre_ar_cuda(const Tensor& partial, const Tensor& stream, con
   CommState& c = comm_for_stream(comm, stream, false);
   check_tensor("partial", partial, at::kBFloat16, {stream.size(0), stream.size(2)}, stream.device(), true);
   check_post_args(stream, post_mix, res_mix);
-  check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, sinkhorn_iters);
+  check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, rms_eps, hc_eps, norm_eps, sinkhorn_iters,
+                 post_alpha, sinkhorn_eps);
   const c10::cuda::CUDAGuard guard(stream.device());
   if (!c.lsa)
     return mhc_post_pre_cuda(nccl_reduce(c, partial, stream.size(0), false), stream, post_mix, res_mix, fn, scale, base,

@@ -9,7 +9,8 @@ PreOut mhc_pre_cuda(const Tensor& stream, const Tensor& fn, const Tensor& scale,
                     const OptTensor& norm_weight, const OptTensor& pre_mix_in, double rms_eps, double hc_eps,
                     double norm_eps, int64_t sinkhorn_iters, double post_alpha, c10::optional<double> sinkhorn_eps) {
   check_stream(stream);
-  check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, sinkhorn_iters);
+  check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, rms_eps, hc_eps, norm_eps, sinkhorn_iters,
+                 post_alpha, sinkhorn_eps);
   const c10::cuda::CUDAGuard guard(stream.device());
   TileArgs a = base_tile_args(stream);
   PreOut out = set_pre_args(a, stream, fn, scale, base, norm_weight, pre_mix_in,
@@ -38,7 +39,8 @@ PostPreOut mhc_post_pre_cuda(const Tensor& y, const Tensor& stream, const Tensor
   check_stream(stream);
   check_tensor("y", y, at::kBFloat16, {stream.size(0), stream.size(2)}, stream.device(), true);
   check_post_args(stream, post_mix, res_mix);
-  check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, sinkhorn_iters);
+  check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, rms_eps, hc_eps, norm_eps, sinkhorn_iters,
+                 post_alpha, sinkhorn_eps);
   const c10::cuda::CUDAGuard guard(stream.device());
   Tensor new_stream = at::empty_like(stream);
   TileArgs a = base_tile_args(stream);
@@ -58,6 +60,8 @@ Tensor mhc_head_cuda(const Tensor& stream, const Tensor& fn, const Tensor& scale
   check_tensor("fn", fn, at::kFloat, {kHC, kHC * D}, stream.device(), true);
   check_tensor("scale", scale, at::kFloat, {1}, stream.device());
   check_tensor("base", base, at::kFloat, {kHC}, stream.device());
+  check_eps("rms_eps", rms_eps, true);
+  check_eps("hc_eps", hc_eps, false);
   const c10::cuda::CUDAGuard guard(stream.device());
   Tensor out = at::empty({stream.size(0), D}, stream.options());
   TileArgs a = base_tile_args(stream);

@@ -16,6 +16,8 @@ identical on every rank.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -53,7 +55,16 @@ def _check_stream(stream: torch.Tensor) -> tuple[int, int, int]:
     return T, hc, D
 
 
-def _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, sinkhorn_iters) -> None:
+def _check_eps(name: str, value, positive: bool) -> None:
+    """An eps: finite and > 0 where a zero row would otherwise divide by zero (the mean squares,
+    the norm, the Sinkhorn's sums), else >= 0. The CUDA launchers' rule too (csrc/ops/checks.h)."""
+    ok = isinstance(value, int | float) and math.isfinite(value) and (value > 0 if positive else value >= 0)
+    if not ok:
+        raise ValueError(f"{name} must be a finite number {'>' if positive else '>='} 0, got {value!r}")
+
+
+def _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, eps, sinkhorn_eps) -> None:
+    rms_eps, hc_eps, norm_eps, sinkhorn_iters, post_alpha = eps
     T, hc, D = stream.shape
     dev = stream.device
     _check_tensor("fn", fn, f32, (ref.num_mix(hc), hc * D), dev)
@@ -65,6 +76,16 @@ def _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, sinkhorn_i
         _check_tensor("pre_mix_in", pre_mix_in, f32, (T, hc), dev)
     if not 1 <= sinkhorn_iters <= 1000:  # the CUDA launchers' range too (csrc/ops/checks.h)
         raise ValueError(f"sinkhorn_iters must be in [1, 1000], got {sinkhorn_iters}")
+    _check_eps("rms_eps", rms_eps, True)
+    _check_eps("hc_eps", hc_eps, False)
+    if norm_weight is not None:
+        _check_eps("norm_eps", norm_eps, True)
+    if sinkhorn_eps is None:
+        _check_eps("sinkhorn_eps (None: hc_eps)", hc_eps, True)
+    else:
+        _check_eps("sinkhorn_eps", sinkhorn_eps, True)
+    if not isinstance(post_alpha, int | float) or not math.isfinite(post_alpha):
+        raise ValueError(f"post_alpha must be a finite number, got {post_alpha!r}")
 
 
 def _check_post_args(stream, post_mix, res_mix) -> None:
@@ -168,7 +189,7 @@ def _(stream, fn, scale, base, norm_weight=None, pre_mix_in=None, *eps_sk):
 def _(stream, fn, scale, base, norm_weight=None, pre_mix_in=None, *eps_sk):
     eps, _, sinkhorn_eps = _split_eps(eps_sk)
     _check_stream(stream)
-    _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, eps[3])
+    _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, eps, sinkhorn_eps)
     return ref.mhc_pre(stream, fn, scale, base, norm_weight, pre_mix_in, *eps, sinkhorn_eps=sinkhorn_eps)
 
 
@@ -201,7 +222,7 @@ def _(y, stream, post_mix, res_mix, fn, scale, base, norm_weight=None, pre_mix_i
     _check_stream(stream)
     _check_y(y, stream)
     _check_post_args(stream, post_mix, res_mix)
-    _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, eps[3])
+    _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, eps, sinkhorn_eps)
     site = (fn, scale, base, norm_weight, pre_mix_in, *eps)
     return ref.mhc_post_pre(y, stream, post_mix, res_mix, *site, sinkhorn_eps=sinkhorn_eps)
 
@@ -217,6 +238,8 @@ def _(stream, fn, scale, base, rms_eps=ref.RMS_EPS, hc_eps=ref.HC_EPS):
     _check_tensor("fn", fn, f32, (hc, hc * D), stream.device)
     _check_tensor("scale", scale, f32, (1,), stream.device)
     _check_tensor("base", base, f32, (hc,), stream.device)
+    _check_eps("rms_eps", rms_eps, True)
+    _check_eps("hc_eps", hc_eps, False)
     return ref.mhc_head(stream, fn, scale, base, rms_eps, hc_eps)
 
 
@@ -247,7 +270,7 @@ def _(stream, fn, scale, base, norm_weight, pre_mix_in, *eps_comm_sk):
 
 
 def _pre_ag_cpu(stream, fn, scale, base, norm_weight, pre_mix_in, eps, sinkhorn_eps, c):
-    _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, eps[3])
+    _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, eps, sinkhorn_eps)
     layer_input, post, res, pre = ref.mhc_pre(
         stream, fn, scale, base, norm_weight, pre_mix_in, *eps, sinkhorn_eps=sinkhorn_eps
     )
@@ -274,7 +297,7 @@ def _(partial, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_
     c = _comm_for_stream(comm, stream, sp=True)
     T = _check_sp_partial(partial, stream, c)
     _check_post_args(stream, post_mix, res_mix)
-    _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, eps[3])
+    _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, eps, sinkhorn_eps)
     y = _reduce_rows(partial, c, _my_rows(c, T))
     new_stream = ref.mhc_post(y, stream, post_mix, res_mix)
     pre = _pre_ag_cpu(new_stream, fn, scale, base, norm_weight, pre_mix_in, eps, sinkhorn_eps, c)
@@ -366,7 +389,7 @@ def _(partial, stream, post_mix, res_mix, fn, scale, base, norm_weight, pre_mix_
     c = _comm_for_stream(comm, stream, sp=False)
     _check_tp_partial(partial, stream)
     _check_post_args(stream, post_mix, res_mix)
-    _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, eps[3])
+    _check_pre_args(stream, fn, scale, base, norm_weight, pre_mix_in, eps, sinkhorn_eps)
     y = _reduce_rows(partial, c, slice(0, T))
     site = (fn, scale, base, norm_weight, pre_mix_in, *eps)
     return ref.mhc_post_pre(y, stream, post_mix, res_mix, *site, sinkhorn_eps=sinkhorn_eps)

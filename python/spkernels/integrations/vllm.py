@@ -53,26 +53,77 @@ def _params(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post
     )  # fmt: skip
 
 
+def _shape_of(residual, name: str = "residual"):
+    """-> (outer dims, hc, D) of vLLM's [..., hc, D] residual."""
+    if not isinstance(residual, torch.Tensor) or residual.dim() < 3:
+        got = list(residual.shape) if isinstance(residual, torch.Tensor) else type(residual).__name__
+        raise ValueError(
+            f"{name} must be a tensor of shape [..., hc, D] with at least one token dim, got {got}"
+        )
+    return residual.shape[:-2], residual.shape[-2], residual.shape[-1]
+
+
+def _check_like(residual, **tensors) -> None:
+    """Each named tensor has its vLLM shape: the residual's leading dims, then the given trailing
+    sizes. Checked before anything is reshaped, so that a tensor of the right size but the wrong
+    shape (a transposed mix, a partial of another width) is an error, not a reinterpretation."""
+    outer = residual.shape[:-2]
+    for name, (t, trailing) in tensors.items():
+        want = (*outer, *trailing)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must have shape {list(want)} (the residual's leading dims), got {got}")
+
+
+def _check_args(residual, x=None, post_layer_mix=None, comb_res_mix=None, pre_mix=None, sp=False):
+    """vLLM's shapes against the residual (leading dims ..., hc, D) before anything is reshaped:
+    x [..., D] (an SP boundary's partial: [T, D] of every token), post_layer_mix [..., hc, 1],
+    comb_res_mix [..., hc, hc], pre_mix [..., hc]; only those given. -> (leading dims, hc, D)."""
+    outer, hc, D = _shape_of(residual)
+    want = {
+        "post_layer_mix": (post_layer_mix, (hc, 1)),
+        "comb_res_mix": (comb_res_mix, (hc, hc)),
+        "pre_mix": (pre_mix, (hc,)),
+    }
+    if sp:
+        _check_sp_partial(x, D)
+    else:
+        want["x"] = (x, (D,))
+    _check_like(residual, **{name: v for name, v in want.items() if v[0] is not None})
+    return outer, hc, D
+
+
+def _check_sp_partial(x, D: int) -> None:
+    """An SP boundary's x: the row-parallel partial of all T tokens, [T, D] (its rows: the op checks)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != D:
+        got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be this rank's partial [T, D = {D}] of every token, got {got}")
+
+
 def _flat(residual: torch.Tensor) -> torch.Tensor:
     """[..., hc, D] -> [T, hc, D] (a view for the contiguous residuals the ops take)."""
-    return residual if residual.dim() == 3 else residual.reshape(-1, *residual.shape[-2:])
+    outer, hc, D = _shape_of(residual)
+    return residual if residual.dim() == 3 else residual.reshape(outer.numel(), hc, D)
 
 
 def _mixes(post_layer_mix: torch.Tensor, comb_res_mix: torch.Tensor, hc: int, pre_mix=None) -> Mixes:
     """vLLM's [..., hc, 1] post mix and [..., hc, hc] comb mix as spkernels' [T, hc], [T, hc, hc]."""
-    return Mixes(post_layer_mix.reshape(-1, hc), comb_res_mix.reshape(-1, hc, hc), pre_mix)
+    T = post_layer_mix.numel() // hc
+    return Mixes(post_layer_mix.reshape(T, hc), comb_res_mix.reshape(T, hc, hc), pre_mix)
 
 
 def _out_pre(res: api.PreResult, outer, hc: int, delayed: bool):
     post, comb, pre = res.mixes
-    out = (post.view(*outer, hc, 1), comb.view(*outer, hc, hc), res.layer_input.view(*outer, -1))
+    D = res.layer_input.shape[-1]
+    out = (post.view(*outer, hc, 1), comb.view(*outer, hc, hc), res.layer_input.view(*outer, D))
     return (*out, pre.view(*outer, hc)) if delayed else out
 
 
 def _out_boundary(res: api.BoundaryResult, outer, hc: int, delayed: bool):
     post, comb, pre = res.mixes
-    out = (res.stream.view(*outer, hc, -1), post.view(*outer, hc, 1), comb.view(*outer, hc, hc),
-           res.layer_input.view(*outer, -1))  # fmt: skip
+    D = res.layer_input.shape[-1]
+    out = (res.stream.view(*outer, hc, D), post.view(*outer, hc, 1), comb.view(*outer, hc, hc),
+           res.layer_input.view(*outer, D))  # fmt: skip
     return (*out, pre.view(*outer, hc)) if delayed else out
 
 
@@ -90,7 +141,7 @@ def mhc_pre(
     sinkhorn_repeat, n_splits=1, norm_weight=None, norm_eps=0.0,
 ):  # fmt: skip
     """vLLM ``mhc_pre``: -> (post_mix [..., hc, 1], comb_mix [..., hc, hc], layer_input [..., D])."""
-    hc, outer = residual.shape[-2], residual.shape[:-2]
+    outer, hc, _ = _shape_of(residual)
     p = _params(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
                 sinkhorn_repeat, norm_weight, norm_eps)  # fmt: skip
     return _out_pre(api.mhc_pre(_flat(residual), p), outer, hc, False)
@@ -98,9 +149,9 @@ def mhc_pre(
 
 def mhc_post(x, residual, post_layer_mix, comb_res_mix):
     """vLLM ``mhc_post``: out[j] = post_layer_mix[j] * x + sum_i comb_res_mix[i, j] * residual[i]."""
-    hc = residual.shape[-2]
+    _, hc, D = _check_args(residual, x, post_layer_mix, comb_res_mix)
     stream = _flat(residual)
-    new = api.mhc_post(x.reshape(stream.shape[0], -1), stream, _mixes(post_layer_mix, comb_res_mix, hc))
+    new = api.mhc_post(x.reshape(stream.shape[0], D), stream, _mixes(post_layer_mix, comb_res_mix, hc))
     return new.view(residual.shape)
 
 
@@ -111,21 +162,24 @@ def mhc_fused_post_pre(
     """vLLM ``mhc_fused_post_pre``: the post, then the next site's pre on the stored residual.
 
     -> (residual, post_mix [..., hc, 1], comb_mix [..., hc, hc], layer_input [..., D])."""
-    hc, outer = residual.shape[-2], residual.shape[:-2]
+    outer, hc, D = _check_args(residual, x, post_layer_mix, comb_res_mix)
     stream = _flat(residual)
     p = _params(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
                 sinkhorn_repeat, norm_weight, norm_eps)  # fmt: skip
-    res = api.mhc_post_pre(
-        x.reshape(stream.shape[0], -1), stream, _mixes(post_layer_mix, comb_res_mix, hc), p
-    )
+    res = api.mhc_post_pre(x.reshape(stream.shape[0], D), stream, _mixes(post_layer_mix, comb_res_mix, hc), p)
     return _out_boundary(res, outer, hc, False)
 
 
 def hc_head(hidden_states, hc_fn, hc_scale, hc_base, rms_norm_eps, hc_eps):
     """vLLM ``hc_head``: the V4 head's learned collapse, [..., hc, D] -> [..., D] bf16."""
-    outer = hidden_states.shape[:-2]
-    out = api.mhc_head(_flat(hidden_states), MhcParams(hc_fn, hc_scale, hc_base, None, rms_norm_eps, hc_eps))
-    return out.view(*outer, -1)
+    outer, _, D = _shape_of(hidden_states, "hidden_states")
+    stream = (
+        hidden_states
+        if hidden_states.dim() == 3
+        else hidden_states.reshape(outer.numel(), *hidden_states.shape[-2:])
+    )
+    out = api.mhc_head(stream, MhcParams(hc_fn, hc_scale, hc_base, None, rms_norm_eps, hc_eps))
+    return out.view(*outer, D)
 
 
 def mhc_pre_delayed(
@@ -136,9 +190,9 @@ def mhc_pre_delayed(
     0, the model's first site), return this site's own pre weights for the next one.
 
     -> (post_mix [..., hc, 1], comb_mix [..., hc, hc], layer_input [..., D], pre_mix [..., hc])."""
-    hc, outer = residual.shape[-2], residual.shape[:-2]
+    outer, hc, _ = _check_args(residual, pre_mix=pre_mix)
     stream = _flat(residual)
-    weights = _one_hot(stream) if pre_mix is None else pre_mix.reshape(-1, hc)
+    weights = _one_hot(stream) if pre_mix is None else pre_mix.reshape(stream.shape[0], hc)
     p = _params(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
                 sinkhorn_repeat, norm_weight, norm_eps)  # fmt: skip
     return _out_pre(api.mhc_pre(stream, p, pre_mix_in=weights), outer, hc, True)
@@ -151,14 +205,13 @@ def mhc_fused_post_pre_delayed(
     """V4.1's fused post+pre: the next site collapses with ``pre_mix`` (the previous site's).
 
     -> (residual, post_mix, comb_mix, layer_input, pre_mix of this site)."""
-    hc, outer = residual.shape[-2], residual.shape[:-2]
-    stream = _flat(residual)
+    outer, hc, D = _check_args(residual, x, post_layer_mix, comb_res_mix, pre_mix)
+    stream = _flat(residual)  # pre_mix None: stream 0, as mhc_pre_delayed
+    weights = _one_hot(stream) if pre_mix is None else pre_mix.reshape(stream.shape[0], hc)
     p = _params(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
                 sinkhorn_repeat, norm_weight, norm_eps)  # fmt: skip
     mixes = _mixes(post_layer_mix, comb_res_mix, hc)
-    res = api.mhc_post_pre(
-        x.reshape(stream.shape[0], -1), stream, mixes, p, pre_mix_in=pre_mix.reshape(-1, hc)
-    )
+    res = api.mhc_post_pre(x.reshape(stream.shape[0], D), stream, mixes, p, pre_mix_in=weights)
     return _out_boundary(res, outer, hc, True)
 
 
@@ -182,7 +235,7 @@ def communicator_for_group(
 def tp_mhc_post(x, residual, post_layer_mix, comb_res_mix, *, comm: Communicator):
     """``mhc_post`` whose ``x`` is this rank's partial [T, D] of a row-parallel layer (not yet
     all-reduced): the all-reduce and the post in one op."""
-    hc = residual.shape[-2]
+    _, hc, D = _check_args(residual, x, post_layer_mix, comb_res_mix)
     stream = _flat(residual)
     new = api.tp_post(x, stream, _mixes(post_layer_mix, comb_res_mix, hc), comm)
     return new.view(residual.shape)
@@ -196,12 +249,12 @@ def tp_mhc_fused_post_pre(
     """``mhc_fused_post_pre`` on a partial ``x``: all-reduce, post and the next pre in one op (the
     residual replicated on every rank, bitwise identical). With ``pre_mix`` (V4.1) the next site
     collapses with it and the result gains this site's pre_mix, as ``mhc_fused_post_pre_delayed``."""
-    hc, outer = residual.shape[-2], residual.shape[:-2]
+    outer, hc, D = _check_args(residual, x, post_layer_mix, comb_res_mix, pre_mix)
     stream = _flat(residual)
     p = _params(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
                 sinkhorn_repeat, norm_weight, norm_eps)  # fmt: skip
     mixes = _mixes(post_layer_mix, comb_res_mix, hc)
-    pre_in = None if pre_mix is None else pre_mix.reshape(-1, hc)
+    pre_in = None if pre_mix is None else pre_mix.reshape(stream.shape[0], hc)
     res = api.tp_boundary(x, stream, mixes, p, comm, pre_mix_in=pre_in)
     return _out_boundary(res, outer, hc, pre_mix is not None)
 
@@ -213,11 +266,11 @@ def sp_mhc_pre(
     """``mhc_pre`` on this rank's shard [T / tp, hc, D], then vLLM's all-gather of the layer input:
     -> (post_mix, comb_mix of the shard, layer_input [T, D]); with ``pre_mix`` (V4.1) the collapse
     uses it and this site's pre_mix is appended."""
-    hc = residual.shape[-2]
+    _, hc, _ = _check_args(residual, pre_mix=pre_mix)
     stream = _flat(residual)
     p = _params(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
                 sinkhorn_repeat, norm_weight, norm_eps)  # fmt: skip
-    pre_in = None if pre_mix is None else pre_mix.reshape(-1, hc)
+    pre_in = None if pre_mix is None else pre_mix.reshape(stream.shape[0], hc)
     res = api.sp_pre(stream, p, comm, pre_mix_in=pre_in)
     post, comb, pre = res.mixes
     out = (post.unsqueeze(-1), comb, res.layer_input)
@@ -227,7 +280,7 @@ def sp_mhc_pre(
 def sp_mhc_post(x, residual, post_layer_mix, comb_res_mix, *, comm: Communicator):
     """vLLM's reduce-scatter of a row-parallel partial ``x`` [T, D], then ``mhc_post`` on this
     rank's residual shard [T / tp, hc, D], in one op."""
-    hc = residual.shape[-2]
+    _, hc, D = _check_args(residual, x, post_layer_mix, comb_res_mix, sp=True)
     return api.sp_post(x, _flat(residual), _mixes(post_layer_mix, comb_res_mix, hc), comm)
 
 
@@ -239,12 +292,12 @@ def sp_mhc_fused_post_pre(
     """The whole SP boundary in one op: reduce-scatter of ``x`` [T, D], post on the residual shard,
     the next pre, all-gather of its layer input. -> (residual shard, post_mix, comb_mix of the
     shard, layer_input [T, D]) (+ this site's pre_mix with ``pre_mix``, V4.1)."""
-    hc = residual.shape[-2]
+    _, hc, D = _check_args(residual, x, post_layer_mix, comb_res_mix, pre_mix, sp=True)
     stream = _flat(residual)
     p = _params(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
                 sinkhorn_repeat, norm_weight, norm_eps)  # fmt: skip
     mixes = _mixes(post_layer_mix, comb_res_mix, hc)
-    pre_in = None if pre_mix is None else pre_mix.reshape(-1, hc)
+    pre_in = None if pre_mix is None else pre_mix.reshape(stream.shape[0], hc)
     res = api.sp_boundary(x, stream, mixes, p, comm, pre_mix_in=pre_in)
     post, comb, pre = res.mixes
     out = (res.stream, post.unsqueeze(-1), comb, res.layer_input)

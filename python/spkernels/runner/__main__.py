@@ -268,6 +268,15 @@ def write_results(out_dir: str, results: dict, opts: RunOptions, argv: list[str]
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     opts, out = parse_args(argv), out_dir(argv)
+    if out is not None:  # checked before the run, not after it: a bad folder would lose the results
+        try:
+            os.makedirs(out, exist_ok=True)
+        except OSError as e:
+            print(f"error: --out {out}: {e.strerror or e}", file=sys.stderr)
+            return 2
+        if not os.access(out, os.W_OK):
+            print(f"error: --out {out}: not a writable folder", file=sys.stderr)
+            return 2
     try:
         results = launch(opts)
     except (ValueError, NotImplementedError) as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import resource
 import statistics
@@ -130,10 +131,16 @@ def plan(opts: RunOptions, config: ModelConfig | None = None) -> Plan:
         )
     if not isinstance(opts.gen, int) or opts.gen < 1:
         raise ValueError(f"--gen must be >= 1 (tokens to generate per request), got {opts.gen!r}")
-    for name, low in (("warmup", 0), ("repeat", 1)):
+    for name, low in (("warmup", 0), ("repeat", 1), ("prompts", 1)):
         value = getattr(opts, name)
         if not isinstance(value, int) or value < low:
             raise ValueError(f"--{name} must be an int >= {low}, got {value!r}")
+    if opts.prompt_len is not None and (not isinstance(opts.prompt_len, int) or opts.prompt_len < 1):
+        raise ValueError(f"--prompt-len must be an int >= 1 (the longest prompt), got {opts.prompt_len!r}")
+    if opts.check_atol is not None and not (math.isfinite(opts.check_atol) and opts.check_atol >= 0):
+        raise ValueError(f"--check-atol must be a finite number >= 0, got {opts.check_atol!r}")
+    if opts.load_weights and not os.path.isfile(opts.load_weights):
+        raise ValueError(f"--load-weights {opts.load_weights}: no such file")
     graphs = opts.graphs
     if graphs is None:  # on by default where they can run: one forward per step, no pipeline hand-over
         graphs = opts.device == "cuda" and opts.pp == opts.microbatches == 1
