@@ -21,6 +21,12 @@ def readme_example() -> str:
     return blocks[0]
 
 
+# gloo's own teardown: a rank that has finished, printed and destroyed its process group can still
+# abort in interpreter finalization (a gloo worker thread destroyed while joinable). Seen in about
+# one run of fifty; it is retried once, and only when every rank printed its result first.
+GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 @pytest.mark.slow
 def test_readme_example_runs(tmp_path):
     script = tmp_path / "example.py"
@@ -28,7 +34,11 @@ def test_readme_example_runs(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd.append(str(script))
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    want = [f"rank {rank}: stream (128, 4, 1024), next input (256, 1024)" for rank in (0, 1)]
+    for attempt in range(2):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+        finished = all(line in proc.stdout for line in want)
+        if proc.returncode == 0 or not (finished and GLOO_TEARDOWN_ABORT in proc.stderr) or attempt:
+            break
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
-    for rank in (0, 1):
-        assert f"rank {rank}: stream (128, 4, 1024), next input (256, 1024)" in proc.stdout, proc.stdout
+    assert finished, proc.stdout
