@@ -49,6 +49,7 @@ import json
 import os
 from pathlib import Path
 
+import cases
 import torch
 from common import REPO, launch
 
@@ -104,6 +105,18 @@ def parse_args(argv=None):
     p.add_argument("--crossover-from", default=None, metavar="JSON",
                    help="run nothing: write sp_crossover.json from a results JSON")  # fmt: skip
     args = p.parse_args(argv)
+    for flag in ("T", "D", "tp", "compile_D", "compile_T", "ref_D"):  # comma lists of positive ints
+        text = getattr(args, flag)
+        if any(not v.strip().isdigit() or int(v) < 1 for v in text.split(",") if text):
+            p.error(f"--{flag.replace('_', '-')} must be comma-separated positive ints, got {text!r}")
+    if not set(args.modes.split(",")) <= {"eager", "graph"}:
+        p.error(f"--modes must be eager and/or graph, got {args.modes!r}")
+    known = set(cases.LOCAL_OPS + cases.SP_OPS + cases.TP_OPS)
+    if unknown := {o for o in args.ops.split(",") if o} - known:
+        p.error(f"--ops: unknown ops {sorted(unknown)}; choose from {sorted(known)}")
+    for flag in ("repeats", "nprocs"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            p.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     if args.compile_ops is None:  # each compiled reference costs ~2 compilations (automatic dynamic T)
         args.compile_ops = ",".join(QUICK_COMPILE_OPS) if args.quick else "all"
     return args

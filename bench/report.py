@@ -345,7 +345,16 @@ if __name__ == "__main__":
     )  # fmt: skip
     parser.add_argument("--readme", action="store_true", help="write the table into README.md")
     args = parser.parse_args()
-    table = readme_table([json.loads(p.read_text()) for p in args.json])
+    docs = []
+    for path in args.json:
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            parser.error(f"{path}: {e}")
+        if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list) or "machine" not in doc:
+            parser.error(f"{path}: not a results file of bench/collectives.py (no machine and rows)")
+        docs.append(doc)
+    table = readme_table(docs)
     if args.readme:
         path = Path(__file__).resolve().parent.parent / "README.md"
         path.write_text(update_readme(path.read_text(), table))

@@ -311,3 +311,23 @@ def test_compiled_references_one_graph_per_D(monkeypatch):
         assert all(isinstance(s[0], torch.SymInt) for s in shapes), f"T not symbolic at D = {D}: {shapes}"
         assert not any(isinstance(n, torch.SymInt) for s in shapes for n in s[1:]), f"D not static: {shapes}"
         assert any(s[-1] == D for s in shapes), f"no [.., D] input at D = {D}: {shapes}"
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--T", "garbage"], "--T"),
+        (["--D", "0"], "--D"),
+        (["--compile-T", "8,x"], "--compile-T"),
+        (["--modes", "bogus"], "--modes"),
+        (["--ops", "mhc_pre,nope"], "--ops"),
+        (["--repeats", "0"], "--repeats"),
+        (["--nprocs", "-1"], "--nprocs"),
+    ],
+)
+def test_bench_rejects_bad_arguments_before_spawning(capsys, argv, named):
+    (collectives,) = import_script("bench", "collectives")
+    with pytest.raises(SystemExit):
+        collectives.parse_args(argv)
+    assert named in capsys.readouterr().err
+    collectives.parse_args(["--T", "8,64", "--D", "4096", "--modes", "graph", "--compile-D", ""])  # fine
