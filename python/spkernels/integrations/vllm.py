@@ -100,9 +100,9 @@ def _check_sp_partial(x, D: int) -> None:
         raise ValueError(f"x must be this rank's partial [T, D = {D}] of every token, got {got}")
 
 
-def _flat(residual: torch.Tensor) -> torch.Tensor:
+def _flat(residual: torch.Tensor, name: str = "residual") -> torch.Tensor:
     """[..., hc, D] -> [T, hc, D] (a view for the contiguous residuals the ops take)."""
-    outer, hc, D = _shape_of(residual)
+    outer, hc, D = _shape_of(residual, name)
     return residual if residual.dim() == 3 else residual.reshape(outer.numel(), hc, D)
 
 
@@ -173,11 +173,7 @@ def mhc_fused_post_pre(
 def hc_head(hidden_states, hc_fn, hc_scale, hc_base, rms_norm_eps, hc_eps):
     """vLLM ``hc_head``: the V4 head's learned collapse, [..., hc, D] -> [..., D] bf16."""
     outer, _, D = _shape_of(hidden_states, "hidden_states")
-    stream = (
-        hidden_states
-        if hidden_states.dim() == 3
-        else hidden_states.reshape(outer.numel(), *hidden_states.shape[-2:])
-    )
+    stream = _flat(hidden_states, "hidden_states")
     out = api.mhc_head(stream, MhcParams(hc_fn, hc_scale, hc_base, None, rms_norm_eps, hc_eps))
     return out.view(*outer, D)
 
