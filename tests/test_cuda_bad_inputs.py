@@ -24,6 +24,7 @@ import spkernels  # noqa: F401  (registers torch.ops.spkernels)
 import torch
 from conftest import MHCInputs
 from distributed import run_distributed
+from test_ops_cpu import BAD_EPS, BAD_EPS_VALUE  # the bad scalars: the CPU table's
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 ops = torch.ops.spkernels
@@ -36,15 +37,6 @@ COMM_OPS += ["mhc_post_ar", "mhc_post_pre_ar"]
 SP_PARTIAL_OPS = ("mhc_post_rs", "mhc_post_pre_rs_ag")  # partial is [tp * T_local, D]
 VEC16_ARGS = ("y", "partial", "fn", "norm_weight")  # and the stream: read in 16-byte vectors
 # Whole consistent calls at another (hc, D): only the hc / D rule is broken.
-# Scalars that would divide a zero row by zero (> 0 needed) or are not numbers (as test_ops_cpu.py).
-BAD_EPS = {
-    "rms_eps": ("eps_zero", "eps_nan"),
-    "hc_eps": ("eps_negative",),
-    "norm_eps": ("eps_zero",),
-    "sinkhorn_eps": ("eps_zero",),
-    "post_alpha": ("eps_nan",),
-}
-BAD_EPS_VALUE = {"eps_zero": 0.0, "eps_nan": float("nan"), "eps_negative": -1e-3}
 SHAPE_KINDS = {"hc3": (3, D), "d_not8": (4, 60), "d_big": (4, 8200), "hidden": (4, 72)}
 
 
