@@ -100,10 +100,14 @@ def _check_sp_partial(x, D: int) -> None:
         raise ValueError(f"x must be this rank's partial [T, D = {D}] of every token, got {got}")
 
 
-def _flat(residual: torch.Tensor, name: str = "residual") -> torch.Tensor:
-    """[..., hc, D] -> [T, hc, D] (a view for the contiguous residuals the ops take)."""
-    outer, hc, D = _shape_of(residual, name)
-    return residual if residual.dim() == 3 else residual.reshape(outer.numel(), hc, D)
+def _flat(residual: torch.Tensor) -> torch.Tensor:
+    """[..., hc, D] -> [T, hc, D] (a view for the contiguous residuals the ops take); the caller has
+    checked the shape (_shape_of, _check_args)."""
+    return (
+        residual
+        if residual.dim() == 3
+        else residual.reshape(residual.shape[:-2].numel(), *residual.shape[-2:])
+    )
 
 
 def _mixes(post_layer_mix: torch.Tensor, comb_res_mix: torch.Tensor, hc: int, pre_mix=None) -> Mixes:
@@ -173,7 +177,7 @@ def mhc_fused_post_pre(
 def hc_head(hidden_states, hc_fn, hc_scale, hc_base, rms_norm_eps, hc_eps):
     """vLLM ``hc_head``: the V4 head's learned collapse, [..., hc, D] -> [..., D] bf16."""
     outer, _, D = _shape_of(hidden_states, "hidden_states")
-    stream = _flat(hidden_states, "hidden_states")
+    stream = _flat(hidden_states)
     out = api.mhc_head(stream, MhcParams(hc_fn, hc_scale, hc_base, None, rms_norm_eps, hc_eps))
     return out.view(*outer, D)
 
@@ -231,7 +235,7 @@ def communicator_for_group(
 def tp_mhc_post(x, residual, post_layer_mix, comb_res_mix, *, comm: Communicator):
     """``mhc_post`` whose ``x`` is this rank's partial [T, D] of a row-parallel layer (not yet
     all-reduced): the all-reduce and the post in one op."""
-    _, hc, D = _check_args(residual, x, post_layer_mix, comb_res_mix)
+    _, hc, _ = _check_args(residual, x, post_layer_mix, comb_res_mix)
     stream = _flat(residual)
     new = api.tp_post(x, stream, _mixes(post_layer_mix, comb_res_mix, hc), comm)
     return new.view(residual.shape)
@@ -245,7 +249,7 @@ def tp_mhc_fused_post_pre(
     """``mhc_fused_post_pre`` on a partial ``x``: all-reduce, post and the next pre in one op (the
     residual replicated on every rank, bitwise identical). With ``pre_mix`` (V4.1) the next site
     collapses with it and the result gains this site's pre_mix, as ``mhc_fused_post_pre_delayed``."""
-    outer, hc, D = _check_args(residual, x, post_layer_mix, comb_res_mix, pre_mix)
+    outer, hc, _ = _check_args(residual, x, post_layer_mix, comb_res_mix, pre_mix)
     stream = _flat(residual)
     p = _params(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
                 sinkhorn_repeat, norm_weight, norm_eps)  # fmt: skip
@@ -276,7 +280,7 @@ def sp_mhc_pre(
 def sp_mhc_post(x, residual, post_layer_mix, comb_res_mix, *, comm: Communicator):
     """vLLM's reduce-scatter of a row-parallel partial ``x`` [T, D], then ``mhc_post`` on this
     rank's residual shard [T / tp, hc, D], in one op."""
-    _, hc, D = _check_args(residual, x, post_layer_mix, comb_res_mix, sp=True)
+    _, hc, _ = _check_args(residual, x, post_layer_mix, comb_res_mix, sp=True)
     return api.sp_post(x, _flat(residual), _mixes(post_layer_mix, comb_res_mix, hc), comm)
 
 
@@ -288,7 +292,7 @@ def sp_mhc_fused_post_pre(
     """The whole SP boundary in one op: reduce-scatter of ``x`` [T, D], post on the residual shard,
     the next pre, all-gather of its layer input. -> (residual shard, post_mix, comb_mix of the
     shard, layer_input [T, D]) (+ this site's pre_mix with ``pre_mix``, V4.1)."""
-    _, hc, D = _check_args(residual, x, post_layer_mix, comb_res_mix, pre_mix, sp=True)
+    _, hc, _ = _check_args(residual, x, post_layer_mix, comb_res_mix, pre_mix, sp=True)
     stream = _flat(residual)
     p = _params(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
                 sinkhorn_repeat, norm_weight, norm_eps)  # fmt: skip
