@@ -134,6 +134,11 @@ class ModelConfig:
                     f"split evenly across the TP group (expert parallel; in SP mode each rank runs its "
                     f"experts on all gathered tokens)"
                 )
+            if self.moe_ffn_size % 8:
+                raise ValueError(
+                    f"config.moe_ffn_size must be a multiple of 8 (the experts' grouped GEMMs need "
+                    f"16-byte rows), got {self.moe_ffn_size}"
+                )
 
 
 PRESETS = {

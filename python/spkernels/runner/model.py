@@ -229,7 +229,9 @@ class Model:
         gates = moe.gates(layer_input, layer["router"], self.config.moe_top_k)
         first = layer["first_expert"]
         local = gates[:, first : first + layer["experts"][0].shape[0]]
-        out = (act @ layer["w_down"].t()).float() + moe.routed_experts(layer_input, local, *layer["experts"])
+        out = (act @ layer["w_down"].t()).float() + moe.routed_experts(
+            layer_input, local, *layer["experts"], self.config.moe_top_k
+        )
         if self.comm is None:
             return out.to(torch.bfloat16)
         return self.comm.partial_buffer(out.shape[0]).copy_(out)

@@ -35,30 +35,36 @@ def routed_experts(
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
     w_down: torch.Tensor,
+    top_k: int,
 ) -> torch.Tensor:
     """Sum over this rank's experts e of gate[t, e] * expert_e(x_t): [T, D] fp32.
 
     ``local_gates`` [T, E_local] are the gates of the experts held here ([E_local, F, D] up/gate,
-    [E_local, D, F] down). Eagerly each expert runs on its routed tokens only, found with one host
-    read of the routed counts per layer; inside a CUDA graph capture (no host reads) every expert
-    runs on every token, weighted by its gate. Both add each expert's rows in increasing row order,
-    so they give the same sums (an unrouted row adds zeros).
+    [E_local, D, F] down); a row has at most ``top_k`` non-zero gates. Without reading a device
+    value (CUDA-graph safe, no host synchronisation): the (expert, row) pairs are listed
+    expert-major into a static T * k slots (k = min(top_k, E_local); unused slots padded), the
+    experts run as grouped GEMMs over their contiguous pair ranges, and each row adds its pairs in
+    increasing expert order, so the sums do not depend on T or on what other rows routed to.
     """
     T, E = local_gates.shape
-    out = torch.zeros(layer_input.shape, dtype=torch.float32, device=layer_input.device)
-    if layer_input.is_cuda and torch.cuda.is_current_stream_capturing():
-        every = torch.arange(T, device=layer_input.device)
-        rows_of = [every] * E
-    else:
-        routed = local_gates.t() != 0  # [E, T]
-        counts = routed.sum(dim=1).tolist()  # the one host read
-        pairs = torch.nonzero_static(routed, size=sum(counts))  # (expert, row), expert-major, rows ascending
-        rows_of = torch.split(pairs[:, 1], counts)
-    for e, rows in enumerate(rows_of):
-        if rows.numel() == 0:
-            continue
-        x = layer_input[rows]
-        act = (F.silu((x @ w_gate[e].t()).float()) * (x @ w_up[e].t()).float()).to(torch.bfloat16)
-        y = (act @ w_down[e].t()).float() * local_gates[rows, e].unsqueeze(1)
-        out.index_add_(0, rows, y)
+    k = min(top_k, E)
+    routed = local_gates != 0  # [T, E]
+    pairs = torch.nonzero_static(routed.t(), size=T * k, fill_value=-1)  # (expert, row), expert-major
+    expert, row = pairs[:, 0], pairs[:, 1]
+    valid = row >= 0
+    expert, row = expert.clamp_min(0), row.clamp_min(0)
+    ends = routed.sum(dim=0, dtype=torch.int32).cumsum(0, dtype=torch.int32)  # each expert's last pair + 1
+    x = layer_input[row]
+    gate = torch._grouped_mm(x, w_gate.transpose(1, 2), offs=ends).float()
+    up = torch._grouped_mm(x, w_up.transpose(1, 2), offs=ends).float()
+    act = (F.silu(gate) * up).to(torch.bfloat16)
+    y = torch._grouped_mm(act, w_down.transpose(1, 2), offs=ends).float()  # pad slots: undefined
+    y = torch.where(valid.unsqueeze(1), y * local_gates[row, expert].unsqueeze(1), 0.0)
+    # Slot j of row t holds its j-th routed expert (in expert order); pad slots land past the end.
+    place = routed.cumsum(dim=1) - 1  # [T, E]
+    dest = torch.where(valid, row * k + place[row, expert], T * k)
+    parts = y.new_zeros(T * k + 1, y.shape[1]).index_copy_(0, dest, y)[:-1].view(T, k, -1)
+    out = parts[:, 0]
+    for j in range(1, k):
+        out = out + parts[:, j]
     return out
