@@ -1,6 +1,7 @@
 // The one TORCH_LIBRARY(spkernels): every schema lives here (docs/contract.md). CPU kernels are the
 // reference math in python/spkernels/ops.py (gloo collectives need torch.distributed); CUDA
 // kernels are registered next to their launchers in csrc/ops/*.cu.
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 #include "kernels/mhc_plan.h"
@@ -98,4 +99,14 @@ TORCH_LIBRARY(spkernels, m) {
   m.def("_comm_destroy(int handle) -> ()", &spk::comm_destroy);
   m.def("_comm_partial_buffer(int handle, int num_tokens) -> Tensor", &spk::comm_partial_buffer);
 #endif
+}
+
+// The ops are inference-only. Without an Autograd kernel, torch's default fallback lets a backward
+// through them return zero gradients with a warning; this one makes it raise "derivative for
+// spkernels::<op> is not implemented". A forward with grad-requiring inputs still runs.
+TORCH_LIBRARY_IMPL(spkernels, Autograd, m) {
+  for (const char* op : {"mhc_pre", "mhc_post", "mhc_post_pre", "mhc_head", "mhc_post_rs", "mhc_pre_ag",
+                         "mhc_post_pre_rs_ag", "sp_all_gather", "sp_shard", "mhc_post_ar", "mhc_post_pre_ar"}) {
+    m.impl(op, torch::autograd::autogradNotImplementedFallback());
+  }
 }

@@ -299,6 +299,29 @@ def test_opcheck(mhc, comm1, case):
     torch.library.opcheck(op, args)
 
 
+@pytest.mark.parametrize("case", LOCAL_CASES + COMM_CASES)
+def test_backward_raises(mhc, comm1, case):
+    """The ops are inference-only: a forward with grad-requiring inputs gives the no-grad outputs, and
+    a backward through them raises naming the op (torch's default would return zero gradients)."""
+    op, args = opcheck_cases(opcheck_inputs(mhc), comm1.handle)[case]
+    with torch.no_grad():
+        want = op(*args)
+    args = [
+        a.clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+        for a in args
+    ]
+    got = op(*args)
+    outs = got if isinstance(got, tuple) else (got,)
+    for g, w in zip(outs, want if isinstance(want, tuple) else (want,), strict=True):
+        assert torch.equal(g, w)
+    if not any(o.requires_grad for o in outs):  # an integer shard: nothing to differentiate
+        assert not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        return
+    name = op._qualified_op_name
+    with pytest.raises(RuntimeError, match=f"derivative for {name} is not implemented"):
+        sum(o.float().sum() for o in outs if o.requires_grad).backward()
+
+
 def _opcheck_tp2(rank, world_size, inputs):
     with Communicator(max_tokens=64, hidden_size=64) as comm:
         cases = opcheck_cases(inputs, comm.handle)
