@@ -49,10 +49,12 @@ def routed_experts(
     T, E = local_gates.shape
     k = min(top_k, E)
     routed = local_gates != 0  # [T, E]
-    pairs = torch.nonzero_static(routed.t(), size=T * k, fill_value=-1)  # (expert, row), expert-major
-    expert, row = pairs[:, 0], pairs[:, 1]
-    valid = row >= 0
-    expert, row = expert.clamp_min(0), row.clamp_min(0)
+    # Pair (e, t) as e * T + t, unrouted ones past the end; sorted, the first T * k are the routed
+    # pairs expert-major, rows ascending, then padding (a sort: no host read, CUDA-graph safe).
+    index = torch.arange(E * T, device=routed.device).view(E, T)
+    pairs = torch.where(routed.t(), index, E * T).flatten().sort().values[: T * k]
+    valid = pairs < E * T
+    expert, row = (pairs // T).clamp_max(E - 1), torch.where(valid, pairs % T, 0)
     ends = routed.sum(dim=0, dtype=torch.int32).cumsum(0, dtype=torch.int32)  # each expert's last pair + 1
     x = layer_input[row]
     gate = torch._grouped_mm(x, w_gate.transpose(1, 2), offs=ends).float()
@@ -60,10 +62,12 @@ def routed_experts(
     act = (F.silu(gate) * up).to(torch.bfloat16)
     y = torch._grouped_mm(act, w_down.transpose(1, 2), offs=ends).float()  # pad slots: undefined
     y = torch.where(valid.unsqueeze(1), y * local_gates[row, expert].unsqueeze(1), 0.0)
-    # Slot j of row t holds its j-th routed expert (in expert order); pad slots land past the end.
+    # Slot j of row t holds its j-th routed expert (in expert order); pad slot i lands at T * k + i
+    # (every destination distinct: the copy is deterministic).
     place = routed.cumsum(dim=1) - 1  # [T, E]
-    dest = torch.where(valid, row * k + place[row, expert], T * k)
-    parts = y.new_zeros(T * k + 1, y.shape[1]).index_copy_(0, dest, y)[:-1].view(T, k, -1)
+    slot = torch.arange(T * k, device=y.device)
+    dest = torch.where(valid, row * k + place[row, expert], T * k + slot)
+    parts = y.new_zeros(2 * T * k, y.shape[1]).index_copy_(0, dest, y)[: T * k].view(T, k, y.shape[1])
     out = parts[:, 0]
     for j in range(1, k):
         out = out + parts[:, j]
