@@ -91,7 +91,8 @@ class CMakeBuild(build_ext):
             args += ["-DSPK_WITH_CUDA=ON", f"-DSPK_NCCL_ROOT={self.nccl_root}"]
             archs = self.build_info["CUDA_ARCHS"].replace(",", " ").split()
             args.append("-DSPK_CUDA_ARCHS=" + ";".join(a.replace(".", "") for a in archs))
-            args.append(f"-DSPK_BENCH_PROBES={'ON' if os.environ.get('SPK_BENCH_PROBES', '0') == '1' else 'OFF'}")
+            probes = os.environ.get("SPK_BENCH_PROBES", "0") == "1"
+            args.append(f"-DSPK_BENCH_PROBES={'ON' if probes else 'OFF'}")
         else:
             args.append("-DSPK_WITH_CUDA=OFF")
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))

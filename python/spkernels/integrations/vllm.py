@@ -63,22 +63,12 @@ def _shape_of(residual, name: str = "residual"):
     return residual.shape[:-2], residual.shape[-2], residual.shape[-1]
 
 
-def _check_like(residual, **tensors) -> None:
-    """Each named tensor has its vLLM shape: the residual's leading dims, then the given trailing
-    sizes. Checked before anything is reshaped, so that a tensor of the right size but the wrong
-    shape (a transposed mix, a partial of another width) is an error, not a reinterpretation."""
-    outer = residual.shape[:-2]
-    for name, (t, trailing) in tensors.items():
-        want = (*outer, *trailing)
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
-            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must have shape {list(want)} (the residual's leading dims), got {got}")
-
-
 def _check_args(residual, x=None, post_layer_mix=None, comb_res_mix=None, pre_mix=None, sp=False):
-    """vLLM's shapes against the residual (leading dims ..., hc, D) before anything is reshaped:
-    x [..., D] (an SP boundary's partial: [T, D] of every token), post_layer_mix [..., hc, 1],
-    comb_res_mix [..., hc, hc], pre_mix [..., hc]; only those given. -> (leading dims, hc, D)."""
+    """vLLM's shapes against the residual (leading dims ..., hc, D) before anything is reshaped, so
+    that a tensor of the right size but the wrong shape (a transposed mix, a partial of another
+    width) is an error, not a reinterpretation: x [..., D] (an SP boundary's partial: [T, D] of
+    every token), post_layer_mix [..., hc, 1], comb_res_mix [..., hc, hc], pre_mix [..., hc]; only
+    those given. -> (leading dims, hc, D)."""
     outer, hc, D = _shape_of(residual)
     want = {
         "post_layer_mix": (post_layer_mix, (hc, 1)),
@@ -89,7 +79,13 @@ def _check_args(residual, x=None, post_layer_mix=None, comb_res_mix=None, pre_mi
         _check_sp_partial(x, D)
     else:
         want["x"] = (x, (D,))
-    _check_like(residual, **{name: v for name, v in want.items() if v[0] is not None})
+    for name, (t, trailing) in want.items():
+        if t is None:
+            continue
+        shape = (*outer, *trailing)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must have shape {list(shape)} (the residual's leading dims), got {got}")
     return outer, hc, D
 
 

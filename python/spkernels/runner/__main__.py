@@ -251,8 +251,8 @@ def report(results: dict) -> bool:
 
 
 def write_results(out_dir: str, results: dict, opts: RunOptions, argv: list[str]) -> str:
-    """DIR/runner.json: the results without the logits (tensors; --record-logits keeps them in memory)."""
-    os.makedirs(out_dir, exist_ok=True)
+    """DIR/runner.json (main made DIR before the run): the results without the logits (tensors;
+    --record-logits keeps them in memory)."""
     path = os.path.join(out_dir, "runner.json")
     doc = {
         "machine": env.machine(),
