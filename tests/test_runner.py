@@ -5,11 +5,13 @@ weights round trip, the scheduler and the errors for configs that cannot work.""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import subprocess
 import sys
 import time
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -689,6 +691,38 @@ def test_gpu_overlap_matches_synchronous_steps():
         assert_same_run(got, want)
     for kind, entry in results["profiled"]["stats"]["step_kinds"].items():
         assert entry["steps"] and entry["gpu_busy_ms"] > 0 and entry["wall_ms"] > 0, (kind, entry)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_capture_collects_first_and_pauses_the_collector():
+    """Python's garbage collector runs before each decode graph's capture and not during it. Since
+    torch.cuda.graph stopped collecting first, a collection inside a capture could free an earlier
+    engine's graphs (a reference cycle's): destroying a graph mid-capture invalidates the capture
+    (the overlap test failed so after the MoE graphs test)."""
+    p = plan(options(device="cuda", sp_threshold=None, capture_sizes=(2,)))
+    model = Model(p.config, random_weights(p.config, 0, torch.device("cuda")), "cuda", None, 2, p.kv_len)
+
+    class Cycle:
+        pass
+
+    garbage, x = Cycle(), torch.zeros(8, device="cuda")
+    garbage.self, garbage.graph = garbage, torch.cuda.CUDAGraph()
+    with torch.cuda.graph(garbage.graph):
+        x.add_(1)
+    collected = weakref.ref(garbage)
+    del garbage
+    seen, forward = [], model.forward
+
+    def watched(*args):
+        if torch.cuda.is_current_stream_capturing():
+            seen.append({"collector on": gc.isenabled(), "cycle alive": collected() is not None})
+        return forward(*args)
+
+    model.forward = watched
+    Engine(model, p.policy, 16).capture(2)
+    assert seen == [{"collector on": False, "cycle alive": False}]
+    assert gc.isenabled()
 
 
 @pytest.mark.gpu

@@ -28,6 +28,7 @@ forward, tokens read.
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 
@@ -47,6 +48,31 @@ PENDING = -1
 # 8 tokens) and the GPU a few us per prefill token: below ~1k tokens a microbatch's GPU time does not
 # cover the next one's enqueue. An estimate from those runs, not a sweep (--microbatch-min-tokens).
 MICROBATCH_MIN_TOKENS = 1024
+
+
+def capture_graph(forward, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``forward()`` captured into a CUDA graph (in memory pool ``pool``), after two warm-up calls on a
+    side stream (lazy inits, workspaces). Python's garbage collector runs before the capture and is
+    paused during it: torch.cuda.graph no longer collects first (torch.compiler.config
+    .force_cudagraph_gc), and a collection inside the capture that frees an earlier engine's graphs
+    destroys them mid-capture, which CUDA forbids: it invalidates the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward()
+    finally:
+        if enabled:
+            gc.enable()
+    return graph, out
 
 
 @dataclass
@@ -286,15 +312,7 @@ class Engine:
         for padded in sorted(sizes, reverse=True):
             use_sp = self.policy.use_sp(padded)
             static = self._pad_batch(padded)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up outside capture: lazy inits, workspaces
-                for _ in range(2):
-                    self.model.forward(static, use_sp)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.model.forward(static, use_sp)
+            graph, logits = capture_graph(lambda s=static, u=use_sp: self.model.forward(s, u), pool)
             pool = graph.pool()
             self.graphs[padded] = (graph, static, logits)
             if self.log:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from . import pipeline
-from .engine import Engine, ForwardInfo, Request, StepInfo, schedule
+from .engine import Engine, ForwardInfo, Request, StepInfo, capture_graph, schedule
 from .model import Batch
 
 DRAFT_MODES = ("mtp", "oracle", "wrong")
@@ -106,18 +106,6 @@ class SpeculativeEngine(Engine):
         self.mtp_graphs: dict[int, tuple] = {}
 
     # ------------------------------------------------------------------ graphs
-    def _capture_one(self, forward, pool):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside capture: lazy inits, workspaces
-            for _ in range(2):
-                forward()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = forward()
-        return graph, out
-
     def capture(self, max_batch: int) -> None:
         """Graphs for every capture size a verify batch of up to ``max_batch`` requests (K + 1 tokens
         each) can land on: the target's and, on the last stage, the MTP's (the first draft forward
@@ -132,14 +120,14 @@ class SpeculativeEngine(Engine):
         for padded in sizes:
             use_sp = self.policy.use_sp(padded)
             static = self._pad_batch(padded)
-            graph, logits = self._capture_one(lambda s=static, u=use_sp: m.forward(s, u), pools[0])
+            graph, logits = capture_graph(lambda s=static, u=use_sp: m.forward(s, u), pools[0])
             pools[0] = graph.pool()
             self.graphs[padded] = (graph, static, logits)
             self.graph_residuals[padded] = m.residual
             if self.mtp is not None:
                 static = dataclasses.replace(self._pad_batch(padded), hash_ids=None)
                 previous = torch.zeros((padded, hidden), dtype=torch.bfloat16, device=self.device)
-                graph, (logits, residual) = self._capture_one(
+                graph, (logits, residual) = capture_graph(
                     lambda s=static, p=previous, u=use_sp: self.mtp.draft(s, p, u), pools[1]
                 )
                 pools[1] = graph.pool()
