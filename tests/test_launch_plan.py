@@ -147,22 +147,19 @@ def test_even_split_from_512_tiles():
 
 
 def test_collapse_regimes():
-    """Pass 2: a CTA per row while the rows fit in two waves, then a CTA per slot looping; the TP
-    boundary adds one CTA for its exit barrier."""
+    """Pass 2: a local pre loops at every T (a CTA per slot); a fused pre runs a CTA per row while the
+    rows fit in two waves, then loops; the TP boundary adds one CTA for its exit barrier."""
     occ = (264, 132, 100, 150)
-    for v in ["pre", "post_pre_peers", "head"]:
+    for v in ["pre", "post_pre", "head", "post_pre_peers", "pre_gather", "post_pre_peers_gather"]:
         extra = v == "post_pre_peers"
-        for T in [1, 199 - extra, 200 - extra, 201 - extra, 1000]:
+        for T in [1, 149 - extra, 150 - extra, 199 - extra, 200 - extra, 201 - extra, 1000]:
             p = plan(v, T, 4096, 264 if v in FUSED else 0, occ)
             c = p["launches"][1]
-            if T + extra <= 200:
+            if v in FUSED and T + extra <= 200:
                 assert c["kernel"] == "collapse_row" and c["grid"][0] == T + extra, (v, T, c)
             else:
-                assert c["kernel"] == "collapse_loop" and c["grid"][0] == min(T, 150 - extra) + extra, (
-                    v,
-                    T,
-                    c,
-                )
+                want = min(T, 150 - extra) + extra
+                assert c["kernel"] == "collapse_loop" and c["grid"][0] == want, (v, T, c)
 
 
 def test_collapse_vectors():

@@ -22,8 +22,8 @@
 //       (and NVLink) speed. At decode sizes (tiles x slices x 3 CTAs fit one per SM) CTA (g, s, p)
 //       computes only fn rows 8p..8p+7 (a.parts = 3): three times the CTAs, each loading a third
 //       of fn, with every sum bitwise unchanged (each row's mma chain is the same).
-// 2. mhc_collapse_row_kernel / mhc_collapse_loop_kernel (pres only; a CTA per row while the rows'
-//    CTAs fit on the GPU in two waves, above that a CTA per SM slot looping over rows): sums each
+// 2. mhc_collapse_loop_kernel / mhc_collapse_row_kernel (pres only; a CTA per SM slot looping over
+//    rows, or for a fused pre a CTA per row while the rows' CTAs fit on the GPU in two waves): sums each
 //    row's S partials in slice order, computes the coefficients on a coefficient warp (sigmoids,
 //    Sinkhorn; one quad of lanes per row; the collapse starts once the pre weights are out),
 //    collapses the stream (+ fused RMSNorm) and writes layer_input; in SP mode it also stores

@@ -7,9 +7,9 @@
 namespace spk {
 
 // ---- Pass 2 (pres): coefficients, then the collapse of the stream (+ fused RMSNorm) into
-// layer_input. Two kernels with bitwise-identical rows: mhc_collapse_row_kernel (a CTA per row,
-// every load of the row in one round; while the rows' CTAs fit in two waves) and
-// mhc_collapse_loop_kernel (a CTA per SM slot looping over the rows; above that).
+// layer_input. Two kernels with bitwise-identical rows: mhc_collapse_loop_kernel (a CTA per SM slot
+// looping over the rows) and, for the fused pres while the rows' CTAs fit in two waves,
+// mhc_collapse_row_kernel (a CTA per row, every load of the row in one round).
 // Rounding and summation orders shared by both: y = fma chain over the streams in stream order,
 // rounded to bf16; a vector's 8 squares summed by fma in element order; vector v's sum added to
 // lane (v % 32)'s partial in increasing v; the 32 partials by the xor butterfly.

@@ -72,13 +72,17 @@ struct VariantKernels {
 
   static Kernel collapse(bool loop, int kv) {
     constexpr bool h = kT.head, g = kT.gather;
-    const Kernel row[5] = {mhc_collapse_row_kernel<h, g, 1>, mhc_collapse_row_kernel<h, g, 2>,
-                           mhc_collapse_row_kernel<h, g, 3>, mhc_collapse_row_kernel<h, g, 4>,
-                           mhc_collapse_row_kernel<h, g, 5>};
+    if (kv < 1 || kv > 5) return nullptr;
+    if constexpr (collapse_row_used(kT)) {
+      const Kernel row[5] = {mhc_collapse_row_kernel<h, g, 1>, mhc_collapse_row_kernel<h, g, 2>,
+                             mhc_collapse_row_kernel<h, g, 3>, mhc_collapse_row_kernel<h, g, 4>,
+                             mhc_collapse_row_kernel<h, g, 5>};
+      if (!loop) return row[kv - 1];
+    }
     const Kernel loops[5] = {mhc_collapse_loop_kernel<h, g, 1>, mhc_collapse_loop_kernel<h, g, 2>,
                              mhc_collapse_loop_kernel<h, g, 3>, mhc_collapse_loop_kernel<h, g, 4>,
                              mhc_collapse_loop_kernel<h, g, 5>};
-    return kv >= 1 && kv <= 5 ? (loop ? loops : row)[kv - 1] : nullptr;
+    return loop ? loops[kv - 1] : nullptr;
   }
 
   // The occupancy mhc_plan reads for this variant (max_ctas > 0: the fused cap replaces `rows`).
@@ -92,11 +96,13 @@ struct VariantKernels {
       if ((e = resident_ctas((const void*)wide(), wide_threads(), wide_smem(hidden), &o->wide)) != cudaSuccess)
         return e;
     if constexpr (kT.pre) {
-      const Kernel row = collapse(false, collapse_vectors(hidden)), loop = collapse(true, collapse_vectors(hidden));
-      if (row == nullptr || loop == nullptr) return cudaErrorInvalidValue;
-      if ((e = resident_ctas((const void*)row, kThreads, 0, &o->collapse_row)) != cudaSuccess ||
-          (e = resident_ctas((const void*)loop, kThreads, 0, &o->collapse_loop)) != cudaSuccess)
-        return e;
+      const Kernel loop = collapse(true, collapse_vectors(hidden));
+      if (loop == nullptr) return cudaErrorInvalidValue;
+      if ((e = resident_ctas((const void*)loop, kThreads, 0, &o->collapse_loop)) != cudaSuccess) return e;
+    }
+    if constexpr (collapse_row_used(kT)) {
+      const Kernel row = collapse(false, collapse_vectors(hidden));
+      if ((e = resident_ctas((const void*)row, kThreads, 0, &o->collapse_row)) != cudaSuccess) return e;
     }
     return cudaSuccess;
   }

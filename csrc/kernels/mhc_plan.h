@@ -86,7 +86,8 @@ struct MhcLaunch {
 // CTAs of each candidate kernel that fit on the device at once (its occupancy x SMs), for the
 // variant's kernels; the launcher queries them. rows: the tile kernel with fn staged (a pre's
 // largest shared memory), the local ops' CTA cap; wide: the head's teams kernel or a pre's
-// fn-in-registers kernel; collapse_row / collapse_loop: pass 2's kernels at the hidden size's kV.
+// fn-in-registers kernel; collapse_row (fused pres) / collapse_loop: pass 2's kernels at the hidden
+// size's kV.
 struct MhcOccupancy {
   int rows, wide, collapse_row, collapse_loop;
 };
@@ -110,6 +111,11 @@ inline int collapse_vectors(int hidden) {
 inline size_t rows_smem_bytes(const MhcTraits& t, int hidden) {
   return !t.pre ? 0 : t.head ? fn_smem_bytes<true>(hidden) : fn_smem_bytes<false>(hidden);
 }
+
+// Whether a pre's pass 2 may run a CTA per row (mhc_collapse_row_kernel): the fused pres only. The
+// local pres run the loop kernel at every T (same-run A/B on one H200, docs/performance.md: 6-18%
+// faster at T = 512, level elsewhere); the fused pres' A/B needs two GPUs.
+constexpr bool collapse_row_used(const MhcTraits& t) { return t.pre && (t.src == YSrc::kPeers || t.gather); }
 
 // mhc_post alone (every T the row kernel's grid holds): the row kernel, which needs no occupancy.
 inline bool mhc_post_row_only(MhcVariant v, int num_tokens) {
@@ -166,11 +172,12 @@ inline MhcPlan mhc_plan(MhcVariant v, int num_tokens, int hidden, int max_ctas, 
   }
   p.launches[p.num_launches++] = rows;
   if (!t.pre) return p;
-  // Pass 2 (launch order as in mhc_collapse.cuh): a CTA per row while the rows' CTAs fit on the
-  // device in kRowWaves waves, else a CTA per slot looping over the rows. With exit_barrier (TP)
-  // one more CTA than the rows need: it does the exit barrier alone.
+  // Pass 2 (launch order as in mhc_collapse.cuh): a fused pre runs a CTA per row while the rows'
+  // CTAs fit on the device in kRowWaves waves; else (and a local pre at every T) a CTA per slot
+  // looping over the rows. With exit_barrier (TP) one more CTA than the rows need: it does the
+  // exit barrier alone.
   const int extra = p.exit_barrier ? 1 : 0, kv = collapse_vectors(D);
-  if (T + extra <= kRowWaves * occ.collapse_row)
+  if (collapse_row_used(t) && T + extra <= kRowWaves * occ.collapse_row)
     p.launches[p.num_launches++] = {MhcKernel::kCollapseRow, kv, T + extra, 1, kThreads, 0};
   else
     p.launches[p.num_launches++] = {MhcKernel::kCollapseLoop,
