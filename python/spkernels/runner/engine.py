@@ -28,7 +28,6 @@ forward, tokens read.
 
 from __future__ import annotations
 
-import array
 import gc
 import time
 from dataclasses import dataclass, field
@@ -231,19 +230,10 @@ class Engine:
 
     # ------------------------------------------------------------------ batches
     def _tensor(self, values):
-        """``values`` (ints, or equal-length lists of ints: a row each) as an int64 tensor on the device.
-        Through an array.array: torch.tensor of Python lists takes ~4x as long (1-2 ms for 4 x 8192
-        ints), on the critical path of a generation's first step."""
-        rows = bool(values) and isinstance(values[0], list)
-        flat = array.array("q")
-        for row in values if rows else [values]:
-            flat.extend(row)
-        t = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
-        if rows:
-            t = t.view(len(values), len(values[0]))
         # From pageable memory a CUDA copy waits for the stream to drain, i.e. for every forward already
         # enqueued; from pinned memory it is queued like a kernel, so the host goes on building the next
         # microbatch while the GPU runs this one.
+        t = torch.tensor(values, dtype=torch.int64)
         return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     def _pad_batch(self, padded: int) -> Batch:
