@@ -113,8 +113,8 @@ inline size_t rows_smem_bytes(const MhcTraits& t, int hidden) {
 }
 
 // Whether a pre's pass 2 may run a CTA per row (mhc_collapse_row_kernel): the fused pres only. The
-// local pres run the loop kernel at every T (same-run A/B on one H200, docs/performance.md: 6-18%
-// faster at T = 512, level elsewhere); the fused pres' A/B needs two GPUs.
+// local pres run the loop kernel at every T (same-run A/B on one H200, docs/performance.md: 5-18%
+// faster at T = 300-512, within 3% elsewhere); the fused pres' A/B needs two GPUs.
 constexpr bool collapse_row_used(const MhcTraits& t) { return t.pre && (t.src == YSrc::kPeers || t.gather); }
 
 // mhc_post alone (every T the row kernel's grid holds): the row kernel, which needs no occupancy.
