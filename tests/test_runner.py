@@ -29,6 +29,7 @@ from spkernels.runner import (
     schedule,
     worker,
 )
+from spkernels.runner import engram as engram_mod
 from spkernels.runner import profile as profile_mod
 from spkernels.runner import weights as weights_mod
 from spkernels.runner.__main__ import parse_args
@@ -507,6 +508,52 @@ def test_schedule_decode_first_within_budget():
     assert [(r.index, n) for r, n in schedule(requests, budget=8)] == [(0, 1), (1, 3), (2, 3)]
     requests[0].generated = [9, 9]  # done: nothing more for it
     assert [(r.index, n) for r, n in schedule(requests, budget=2)] == [(1, 2)]
+
+
+@pytest.mark.parametrize("engram", [False, True])
+def test_build_batch_matches_token_by_token_inputs(engram):
+    """A step's inputs, prompt chunks written as ranges and the other tokens one by one, equal what
+    each token gives alone: its id, position, cache row and context length, pad rows after them, the
+    rows to sample (a prompt's last token, a decode row) and the Engram hashes, whatever the order of
+    chunks and decode rows in the step."""
+    p = plan(options(prompt_lens=(3,), gen=2, sp_threshold=None))
+    config = p.config.replace(engram_layers=(1,)) if engram else p.config
+    model = Model(config, random_weights(config, 0, torch.device("cpu")), "cpu", None, 4, p.kv_len)
+    engine = Engine(model, p.policy, 64, overlap=False)
+    requests = [
+        Request(i, torch.randint(0, config.vocab_size, (n,)).tolist(), 4) for i, n in enumerate((9, 5, 7, 6))
+    ]
+    requests[1].num_computed, requests[1].generated = 5, [11]  # decoding
+    requests[2].num_computed, requests[2].generated = 8, [12, 13]
+    requests[3].num_computed = 2  # its second chunk
+    entries = [(requests[0], 4), (requests[1], 1), (requests[2], 1), (requests[3], 4)]
+    batch, samples = engine.build_batch(entries, 13, decode=False)
+    want, rows_to_sample, hashes = [], [], []
+    for req, count in entries:
+        tokens = req.prompt + req.generated
+        for position in range(req.num_computed, req.num_computed + count):
+            want.append((tokens[position], position, req.index, position + 1))
+            if engram:
+                hashes += engram_mod.hash_ids(
+                    tokens, [position], config.engram_orders, config.engram_table_size
+                )
+        if req.num_computed + count == len(tokens):
+            rows_to_sample.append((req.index, len(want) - 1))
+    want += [(model.pad_id, 0, model.trash_row, 1)] * (13 - len(want))
+    got = torch.stack((batch.input_ids, batch.positions, batch.rows, batch.seq_lens), 1).tolist()
+    assert got == [list(t) for t in want]
+    assert batch.num_tokens == 10 and [(r.index, row) for r, row in samples] == rows_to_sample
+    assert batch.sample_idx.tolist() == [row for _, row in rows_to_sample]
+    assert batch.segments == [(0, 0, 0, 4), (1, 4, 5, 1), (2, 5, 8, 1), (3, 6, 2, 4)]
+    if engram:
+        pad = [[config.engram_table_size] * len(config.engram_orders)] * 3
+        assert batch.hash_ids.tolist() == hashes + pad
+    else:
+        assert batch.hash_ids is None
+    decode, _ = engine.build_batch(entries[1:3], 4, decode=True)
+    assert decode.segments is None and decode.sample_idx is None
+    assert decode.input_ids.tolist() == [11, 13, model.pad_id, model.pad_id]
+    assert decode.positions.tolist() == [5, 8, 0, 0] and decode.seq_lens.tolist() == [6, 9, 1, 1]
 
 
 @pytest.mark.parametrize(

@@ -83,6 +83,12 @@ class Request:
     generated: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
+    # The prompt as an int64 tensor, made when the request arrives: a step slices its chunks from it
+    # rather than turning thousands of Python ints into a tensor while the GPU waits.
+    prompt_ids: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.prompt_ids = torch.tensor(self.prompt, dtype=torch.int64)
 
     @property
     def tokens(self) -> list[int]:
@@ -230,11 +236,15 @@ class Engine:
 
     # ------------------------------------------------------------------ batches
     def _tensor(self, values):
+        return self._to_device(torch.tensor(values, dtype=torch.int64))
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         # From pageable memory a CUDA copy waits for the stream to drain, i.e. for every forward already
         # enqueued; from pinned memory it is queued like a kernel, so the host goes on building the next
         # microbatch while the GPU runs this one.
-        t = torch.tensor(values, dtype=torch.int64)
-        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+        if self.device.type != "cuda":
+            return t
+        return (t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True)
 
     def _pad_batch(self, padded: int) -> Batch:
         """A pure-pad decode batch: the static inputs of a graph before the first replay."""
@@ -246,55 +256,85 @@ class Engine:
         return batch
 
     def build_batch(self, entries, padded: int, decode: bool) -> tuple[Batch, list[tuple[Request, int]]]:
-        """The step's Batch and [(request, batch row)] of the rows to sample. A decode token that is
-        still PENDING is taken on the device from the ids of the step in flight that sampled it."""
+        """The step's Batch and [(request, batch row)] of the rows to sample. A prompt chunk's inputs are
+        written as ranges (its ids sliced from the request's prompt tensor), the other tokens' one by one
+        from lists; every input goes to the device in one copy. A decode token that is still PENDING is
+        taken on the device from the ids of the step in flight that sampled it."""
         m = self.model
         cfg = m.config
-        ids, positions, rows, seq_lens, segments, samples, hashes = [], [], [], [], [], [], []
+        chunks = []  # (first batch row, request, first position, count) per prompt chunk
+        listed = ([], [], [], [])  # ids, positions, cache rows, context lengths of the other tokens
+        runs = []  # [first batch row, count] of each run of consecutive listed tokens
+        segments, samples, hashes = [], [], []
         take = []  # (batch row, row of the in-flight step's ids) per PENDING token
+        n = 0
         for req, count in entries:
-            start, first = req.num_computed, len(ids)
-            ids += req.tokens[start : start + count]
-            if count and ids[-1] == PENDING:  # only a request's last token can be
-                take.append((len(ids) - 1, self.inflight[-1].sample_of[req.index]))
-            positions += range(start, start + count)
-            rows += [req.index] * count
-            seq_lens += range(start + 1, start + count + 1)
-            segments.append((req.index, first, start, count))
+            start, end = req.num_computed, req.num_computed + count
+            segments.append((req.index, n, start, count))
+            if end <= len(req.prompt):  # a prompt chunk: sampled where it ends the prompt
+                chunks.append((n, req, start, count))
+                last = len(req.prompt)
+            else:
+                tokens = req.tokens
+                listed[0].extend(tokens[start:end])
+                listed[1].extend(range(start, end))
+                listed[2].extend([req.index] * count)
+                listed[3].extend(range(start + 1, end + 1))
+                if runs and sum(runs[-1]) == n:
+                    runs[-1][1] += count
+                else:
+                    runs.append([n, count])
+                if tokens[end - 1] == PENDING:  # only a request's last token can be
+                    take.append((n + count - 1, self.inflight[-1].sample_of[req.index]))
+                last = len(tokens)
             if cfg.engram_layers:  # over the request's whole history, before any sharding
-                span = range(start, start + count)
+                span = range(start, end)
                 hashes += engram.hash_ids(req.tokens, span, cfg.engram_orders, cfg.engram_table_size)
-            if start + count == len(req.tokens):
-                samples.append((req, len(ids) - 1))
-        num_tokens, pad = len(ids), padded - len(ids)
-        # One host-to-device copy for the four per-token inputs: it sits on every decode step.
-        columns = [
-            ids + [m.pad_id] * pad,
-            positions + [0] * pad,
-            rows + [m.trash_row] * pad,
-            seq_lens + [1] * pad,
-        ]
-        if cfg.engram_layers:  # pad rows hash to the tables' zero row
-            hashes += [[cfg.engram_table_size] * len(cfg.engram_orders)] * pad
-            columns += [list(col) for col in zip(*hashes, strict=True)]
+            n += count
+            if end == last:
+                samples.append((req, n - 1))
+        # One pinned block, one copy to the device: rows 0-3 the per-token inputs, then the Engram
+        # hashes, the PENDING tokens' gather and the sampled rows, where the step has them.
+        num_hashes = len(cfg.engram_orders) if cfg.engram_layers else 0
+        gather_row = 4 + num_hashes
+        sample_row = gather_row + bool(take)
+        packed = torch.empty(
+            (sample_row + (not decode), padded), dtype=torch.int64, pin_memory=self.device.type == "cuda"
+        )
+        for first, req, start, count in chunks:
+            span = slice(first, first + count)
+            packed[0, span] = req.prompt_ids[start : start + count]
+            torch.arange(start, start + count, out=packed[1, span])
+            packed[2, span] = req.index
+            torch.arange(start + 1, start + count + 1, out=packed[3, span])
+        if runs:
+            values, done = torch.tensor(listed, dtype=torch.int64), 0
+            for first, count in runs:
+                packed[:4, first : first + count] = values[:, done : done + count]
+                done += count
+        packed[:4, n:] = torch.tensor([[m.pad_id], [0], [m.trash_row], [1]])
+        if num_hashes:  # pad rows hash to the tables' zero row
+            packed[4:gather_row, :n] = torch.tensor(hashes, dtype=torch.int64).t()
+            packed[4:gather_row, n:] = cfg.engram_table_size
         if take:  # a gather over [this batch's ids, the in-flight ids]: row i, or padded + its id row
-            source = list(range(padded))
-            for row, j in take:
-                source[row] = padded + j
-            columns.append(source)
-        packed = self._tensor(columns)
-        input_ids, positions_t, rows_t, seq_lens_t = packed[:4].unbind(0)
+            torch.arange(padded, out=packed[gather_row])
+            rows, sources = torch.tensor([(row, padded + j) for row, j in take]).t()
+            packed[gather_row, rows] = sources
+        if not decode:
+            packed[sample_row, : len(samples)] = torch.tensor([row for _, row in samples])
+        on_device = self._to_device(packed)
+        input_ids, positions, rows_t, seq_lens = on_device[:4].unbind(0)
         if take:
-            input_ids = torch.cat((input_ids, self.inflight[-1].ids))[packed[-1]]
+            input_ids = torch.cat((input_ids, self.inflight[-1].ids))[on_device[gather_row]]
         batch = Batch(
             input_ids=input_ids,
-            positions=positions_t,
+            positions=positions,
             rows=rows_t,
-            seq_lens=seq_lens_t,
-            num_tokens=num_tokens,
+            seq_lens=seq_lens,
+            num_tokens=n,
             segments=None if decode else segments,
-            sample_idx=None if decode else self._tensor([row for _, row in samples]),
-            hash_ids=packed[4 : 4 + len(cfg.engram_orders)].t().contiguous() if cfg.engram_layers else None,
+            sample_idx=None if decode else on_device[sample_row, : len(samples)],
+            hash_ids=on_device[4:gather_row].t().contiguous() if num_hashes else None,
         )
         return batch, samples
 
