@@ -263,8 +263,15 @@ class Engine:
         m = self.model
         cfg = m.config
         chunks = []  # (first batch row, request, first position, count) per prompt chunk
-        listed = ([], [], [], [])  # ids, positions, cache rows, context lengths of the other tokens
-        runs = []  # [first batch row, count] of each run of consecutive listed tokens
+        ids, positions, rows, seq_lens = listed = [], [], [], []  # the other rows' inputs, one by one
+        runs = []  # [first batch row, count] of each run of consecutive listed rows
+
+        def listed_rows(first: int, count: int) -> None:
+            if runs and runs[-1][0] + runs[-1][1] == first:
+                runs[-1][1] += count
+            else:
+                runs.append([first, count])
+
         segments, samples, hashes = [], [], []
         take = []  # (batch row, row of the in-flight step's ids) per PENDING token
         n = 0
@@ -276,14 +283,11 @@ class Engine:
                 last = len(req.prompt)
             else:
                 tokens = req.tokens
-                listed[0].extend(tokens[start:end])
-                listed[1].extend(range(start, end))
-                listed[2].extend([req.index] * count)
-                listed[3].extend(range(start + 1, end + 1))
-                if runs and sum(runs[-1]) == n:
-                    runs[-1][1] += count
-                else:
-                    runs.append([n, count])
+                ids += tokens[start:end]
+                positions += range(start, end)
+                rows += [req.index] * count
+                seq_lens += range(start + 1, end + 1)
+                listed_rows(n, count)
                 if tokens[end - 1] == PENDING:  # only a request's last token can be
                     take.append((n + count - 1, self.inflight[-1].sample_of[req.index]))
                 last = len(tokens)
@@ -307,30 +311,34 @@ class Engine:
             torch.arange(start, start + count, out=packed[1, span])
             packed[2, span] = req.index
             torch.arange(start + 1, start + count + 1, out=packed[3, span])
-        if runs:
-            values, done = torch.tensor(listed, dtype=torch.int64), 0
-            for first, count in runs:
-                packed[:4, first : first + count] = values[:, done : done + count]
-                done += count
-        packed[:4, n:] = torch.tensor([[m.pad_id], [0], [m.trash_row], [1]])
+        pad = padded - n  # pad rows: listed after the rest
+        ids += [m.pad_id] * pad
+        positions += [0] * pad
+        rows += [m.trash_row] * pad
+        seq_lens += [1] * pad
+        listed_rows(n, pad)
+        values, done = torch.tensor(listed, dtype=torch.int64), 0
+        for first, count in runs:
+            packed[:4, first : first + count] = values[:, done : done + count]
+            done += count
         if num_hashes:  # pad rows hash to the tables' zero row
             packed[4:gather_row, :n] = torch.tensor(hashes, dtype=torch.int64).t()
             packed[4:gather_row, n:] = cfg.engram_table_size
         if take:  # a gather over [this batch's ids, the in-flight ids]: row i, or padded + its id row
             torch.arange(padded, out=packed[gather_row])
-            rows, sources = torch.tensor([(row, padded + j) for row, j in take]).t()
-            packed[gather_row, rows] = sources
+            at, sources = torch.tensor([(row, padded + j) for row, j in take]).t()
+            packed[gather_row, at] = sources
         if not decode:
             packed[sample_row, : len(samples)] = torch.tensor([row for _, row in samples])
         on_device = self._to_device(packed)
-        input_ids, positions, rows_t, seq_lens = on_device[:4].unbind(0)
+        input_ids, positions_t, rows_t, seq_lens_t = on_device[:4].unbind(0)
         if take:
             input_ids = torch.cat((input_ids, self.inflight[-1].ids))[on_device[gather_row]]
         batch = Batch(
             input_ids=input_ids,
-            positions=positions,
+            positions=positions_t,
             rows=rows_t,
-            seq_lens=seq_lens,
+            seq_lens=seq_lens_t,
             num_tokens=n,
             segments=None if decode else segments,
             sample_idx=None if decode else on_device[sample_row, : len(samples)],
