@@ -278,7 +278,7 @@ class Engine:
         for req, count in entries:
             start, end = req.num_computed, req.num_computed + count
             segments.append((req.index, n, start, count))
-            if end <= len(req.prompt):  # a prompt chunk: sampled where it ends the prompt
+            if start < end <= len(req.prompt):  # a prompt chunk: sampled where it ends the prompt
                 chunks.append((n, req, start, count))
                 last = len(req.prompt)
             else:
@@ -288,7 +288,7 @@ class Engine:
                 rows += [req.index] * count
                 seq_lens += range(start + 1, end + 1)
                 listed_rows(n, count)
-                if tokens[end - 1] == PENDING:  # only a request's last token can be
+                if count and tokens[end - 1] == PENDING:  # only a request's last token can be
                     take.append((n + count - 1, self.inflight[-1].sample_of[req.index]))
                 last = len(tokens)
             if cfg.engram_layers:  # over the request's whole history, before any sharding
@@ -311,16 +311,18 @@ class Engine:
             torch.arange(start, start + count, out=packed[1, span])
             packed[2, span] = req.index
             torch.arange(start + 1, start + count + 1, out=packed[3, span])
-        pad = padded - n  # pad rows: listed after the rest
-        ids += [m.pad_id] * pad
-        positions += [0] * pad
-        rows += [m.trash_row] * pad
-        seq_lens += [1] * pad
-        listed_rows(n, pad)
-        values, done = torch.tensor(listed, dtype=torch.int64), 0
-        for first, count in runs:
-            packed[:4, first : first + count] = values[:, done : done + count]
-            done += count
+        pad = padded - n
+        if pad:  # pad rows: listed after the rest
+            ids += [m.pad_id] * pad
+            positions += [0] * pad
+            rows += [m.trash_row] * pad
+            seq_lens += [1] * pad
+            listed_rows(n, pad)
+        if runs:
+            values, done = torch.tensor(listed, dtype=torch.int64), 0
+            for first, count in runs:
+                packed[:4, first : first + count] = values[:, done : done + count]
+                done += count
         if num_hashes:  # pad rows hash to the tables' zero row
             packed[4:gather_row, :n] = torch.tensor(hashes, dtype=torch.int64).t()
             packed[4:gather_row, n:] = cfg.engram_table_size
