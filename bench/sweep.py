@@ -257,7 +257,10 @@ def _finish(args, records: list[dict], floors: dict, elapsed: float) -> None:
 
     out = Path(args.out)
     rows, cross = _save(args, records, floors, elapsed, done=True)
-    (out / f"{args.name}.txt").write_text(report.format_table(rows) + "\n")
+    # The table with its machine line: a results file names what it ran on, the .txt included.
+    (out / f"{args.name}.txt").write_text(
+        f"# {report.machine_line(args.machine)}\n{report.format_table(rows)}\n"
+    )
     if args.write_crossover:
         _write_crossover_table(cross)
     plotted = report.plot(out / f"{args.name}.png", rows)

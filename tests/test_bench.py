@@ -54,7 +54,8 @@ def test_cpu_sweep_end_to_end(tmp_path):
     assert {"eager_ref", "nccl", "nccl+spkernels", "nccl+eager_ref"} <= baselines
     assert set(doc["crossover"]) == {"2"} and set(doc["crossover"]["2"]) == {"256"}
     assert doc["floors"]["copy_GBps"] > 0 and doc["floors"]["link_GBps"]["2"] > 0
-    assert (tmp_path / "smoke.txt").read_text().startswith("op ")
+    header, table = (tmp_path / "smoke.txt").read_text().split("\n", 1)
+    assert header == "# " + report.machine_line(doc["machine"]) and table.startswith("op ")
     assert "Targets (worst value" in proc.stdout
 
 
