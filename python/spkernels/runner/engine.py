@@ -186,6 +186,7 @@ def split_microbatches(
 class Engine:
     request_class = Request
     lookahead = 0  # positions past a request's last token that a step may write (speculative drafts)
+    schedule_ignores_tokens = True  # what overlap needs (module docstring); not speculative decoding's
 
     def __init__(
         self,
@@ -228,9 +229,10 @@ class Engine:
         self.label_steps = False
         self._range = None  # the open step range
         # Overlap step n + 1's host work with step n's device work (module docstring): where the
-        # last stage samples on every rank and no input needs the host to know the tokens.
+        # schedule ignores token values, the last stage samples on every rank and no input needs the
+        # host to know the tokens.
         pp = model.stage.pp_size if model.stage is not None else 1
-        self.overlap = overlap and pp == 1 and not model.config.engram_layers
+        self.overlap = overlap and self.schedule_ignores_tokens and pp == 1 and not model.config.engram_layers
         self.inflight: list[InFlight] = []  # oldest first; at most one between steps
         self._clock = 0.0  # overlap: when the last completed step completed
 

@@ -74,13 +74,13 @@ class SpeculativeEngine(Engine):
     plain greedy run's tokens (the oracle and wrong modes)."""
 
     request_class = SpecRequest
+    schedule_ignores_tokens = False  # the next step's schedule depends on this one's acceptance
 
     def __init__(
         self, model, mtp, policy, max_tokens_per_step: int, num_draft: int, draft_mode: str = "mtp",
         oracle: list[list[int]] | None = None, **kwargs,
     ):  # fmt: skip
         super().__init__(model, policy, max_tokens_per_step, **kwargs)
-        self.overlap = False  # the next step's schedule depends on this one's acceptance: synchronous
         if type(num_draft) is not int or num_draft < 1:
             raise ValueError(f"--mtp K drafts K >= 1 tokens per step, got K = {num_draft!r}")
         if draft_mode not in DRAFT_MODES:
