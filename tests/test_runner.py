@@ -237,6 +237,8 @@ def test_cli_check(tmp_path):
     for kind in ("prefill", "decode"):  # per step kind: wall, GPU busy (n/a on cpu), by category
         line = [ln for ln in lines if ln.startswith(f"profile {kind} steps (rank 0): ")]
         assert len(line) == 1 and ", GPU busy n/a; ops busy " in line[0], proc.stdout
+        idle = [ln for ln in lines if ln.startswith(f"profile {kind} idle (rank 0): ")]
+        assert len(idle) == 1 and " ms before the steps' first work; longest: " in idle[0], proc.stdout
     doc = json.loads((tmp_path / "out" / "runner.json").read_text())
     assert doc["command"].startswith("python -m spkernels.runner --device cpu --tp 2 "), doc["command"]
     assert doc["options"]["tp"] == 2 and doc["check"]["ok"] and doc["machine"]["gpu"] == "cpu"
@@ -261,7 +263,8 @@ def test_step_kinds_without_profile():
 
 def test_profile_by_step_kind_attributes_kernels_to_their_step():
     """A kernel counts for the step whose range it starts in, clipped to it; kernels outside every
-    step (the ranks' meeting) and the ranges' own GPU annotations count nowhere."""
+    step (the ranks' meeting) and the ranges' own GPU annotations count nowhere. The idle time is
+    found: before each step's first kernel, and the longest stretches, named by the kernel after."""
 
     def event(name, start, end, device=DeviceType.CUDA):
         return SimpleNamespace(
@@ -289,6 +292,13 @@ def test_profile_by_step_kind_attributes_kernels_to_their_step():
         "mHC": 1.0, "NCCL": 0.0, "attention": 0.0, "GEMM": 2.0, "other": 0.5
     }  # fmt: skip
     assert kinds["decode"]["busy_ms"] == 0.5 and kinds["decode"]["busy_by_category_ms"]["attention"] == 0.3
+    # idle: prefill 0 .. 0.1 (lead), 3.0 .. 4.5; decode 6.0 .. 6.1 and 8.0 .. 8.1 (leads), 6.4 .. 7.0 and
+    # 8.3 .. 9.0 (ends)
+    assert kinds["prefill"]["lead_ms"] == 0.1 and kinds["decode"]["lead_ms"] == 0.2, kinds
+    index_kernel = "void at::native::index_elementwise_kernel<128, 4>"
+    assert kinds["prefill"]["gaps"] == [(1.5, index_kernel), (0.1, "nvjet_tst_128x256")], kinds
+    end, fmha = "the step's end", "fmha_cutlassF_bf16_aligned_64x128_rf_sm80"
+    assert kinds["decode"]["gaps"] == [(0.7, end), (0.6, end), (0.1, fmha)], kinds
     steps = [
         SimpleNamespace(prefill_tokens=64, seconds=0.0051),
         SimpleNamespace(prefill_tokens=0, seconds=0.001),
@@ -298,6 +308,10 @@ def test_profile_by_step_kind_attributes_kernels_to_their_step():
     assert (
         "profile prefill steps (rank 0): 1 steps, wall 5.10 ms, GPU busy 3.40 ms, wall / GPU busy 1.500"
         in (profile_mod.format_step_kind("prefill", entry))
+    )
+    assert profile_mod.format_idle("prefill", entry) == (
+        "profile prefill idle (rank 0): 0.100 ms before the steps' first work; longest: "
+        "1.500 ms before void at::native::index_elementwise_kernel<128, 4>; 0.100 ms before nvjet_tst_128x256"
     )
 
 
