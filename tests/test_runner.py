@@ -524,6 +524,20 @@ def test_schedule_decode_first_within_budget():
     assert [(r.index, n) for r, n in schedule(requests, budget=2)] == [(1, 2)]
 
 
+def test_token_span_slices_the_history_without_building_it():
+    """Request.token_span(start, end) is tokens[start:end] for every span, across the prompt, the
+    generated tokens and (speculating) the drafts, past the end included."""
+    from spkernels.runner.speculative import SpecRequest
+
+    plain = Request(0, [1, 2, 3], 4, generated=[4, 5])
+    spec = SpecRequest(0, [1, 2, 3], 4, generated=[4], draft=[5, 6])
+    for req, tokens in ((plain, [1, 2, 3, 4, 5]), (spec, [1, 2, 3, 4, 5, 6])):
+        assert req.tokens == tokens and req.num_tokens == len(tokens)
+        for start in range(len(tokens) + 2):
+            for end in range(start, len(tokens) + 3):
+                assert req.token_span(start, end) == tokens[start:end], (start, end)
+
+
 @pytest.mark.parametrize("engram", [False, True])
 def test_build_batch_matches_token_by_token_inputs(engram):
     """A step's inputs, prompt chunks written as ranges and the other tokens one by one, equal what

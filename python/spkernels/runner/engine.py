@@ -92,7 +92,25 @@ class Request:
 
     @property
     def tokens(self) -> list[int]:
-        return self.prompt + self.generated
+        return [token for part in self._parts() for token in part]
+
+    def _parts(self) -> tuple[list[int], ...]:
+        """The token history's lists, oldest first."""
+        return self.prompt, self.generated
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(map(len, self._parts()))
+
+    def token_span(self, start: int, end: int) -> list[int]:
+        """``tokens[start:end]`` without building the history: a step reads a request's last few
+        tokens, and a long context's history is a long list to copy every step."""
+        out = []
+        for part in self._parts():
+            if start < len(part) and end > 0:
+                out += part[max(start, 0) : end]
+            start, end = start - len(part), end - len(part)
+        return out
 
     @property
     def done(self) -> bool:
@@ -284,18 +302,20 @@ class Engine:
                 chunks.append((n, req, start, count))
                 last = len(req.prompt)
             else:
-                tokens = req.tokens
-                ids += tokens[start:end]
+                tokens = req.token_span(start, end)
+                ids += tokens
                 positions += range(start, end)
                 rows += [req.index] * count
                 seq_lens += range(start + 1, end + 1)
                 listed_rows(n, count)
-                if count and tokens[end - 1] == PENDING:  # only a request's last token can be
+                if count and tokens[-1] == PENDING:  # only a request's last token can be
                     take.append((n + count - 1, self.inflight[-1].sample_of[req.index]))
-                last = len(tokens)
-            if cfg.engram_layers:  # over the request's whole history, before any sharding
-                span = range(start, end)
-                hashes += engram.hash_ids(req.tokens, span, cfg.engram_orders, cfg.engram_table_size)
+                last = req.num_tokens
+            if cfg.engram_layers:  # over the request's history, before any sharding
+                # the n-grams ending in [start, end): from max(order) - 1 tokens before start on
+                first = max(0, start - max(cfg.engram_orders) + 1)
+                history, span = req.token_span(first, end), range(start - first, end - first)
+                hashes += engram.hash_ids(history, span, cfg.engram_orders, cfg.engram_table_size)
             n += count
             if end == last:
                 samples.append((req, n - 1))
