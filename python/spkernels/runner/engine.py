@@ -277,13 +277,20 @@ class Engine:
 
     def build_batch(self, entries, padded: int, decode: bool) -> tuple[Batch, list[tuple[Request, int]]]:
         """The step's Batch and [(request, batch row)] of the rows to sample. A prompt chunk's inputs are
-        written as ranges (its ids sliced from the request's prompt tensor), the other tokens' one by one
-        from lists; every input goes to the device in one copy. A decode token that is still PENDING is
-        taken on the device from the ids of the step in flight that sampled it."""
+        written as ranges (its ids sliced from the request's prompt tensor, its Engram hashes for all
+        its tokens at once), the other tokens' one by one from lists; every input goes to the device in
+        one copy. A decode token that is still PENDING is taken on the device from the ids of the step
+        in flight that sampled it."""
         m = self.model
         cfg = m.config
+        # Engram: each token's hashes over its request's history, before any sharding; n-grams ending
+        # at positions [start, end) need the request's tokens from start - (width - 1) on.
+        orders, table_size = cfg.engram_orders, cfg.engram_table_size
+        num_hashes, width = (len(orders), max(orders)) if cfg.engram_layers else (0, 0)
         chunks = []  # (first batch row, request, first position, count) per prompt chunk
-        ids, positions, rows, seq_lens = listed = [], [], [], []  # the other rows' inputs, one by one
+        # the other rows' inputs, one by one: ids, positions, cache rows, context lengths, hashes
+        listed = [[] for _ in range(4 + num_hashes)]
+        ids, positions, rows, seq_lens = listed[:4]
         runs = []  # [first batch row, count] of each run of consecutive listed rows
 
         def listed_rows(first: int, count: int) -> None:
@@ -292,7 +299,7 @@ class Engine:
             else:
                 runs.append([first, count])
 
-        segments, samples, hashes = [], [], []
+        segments, samples = [], []
         take = []  # (batch row, row of the in-flight step's ids) per PENDING token
         n = 0
         for req, count in entries:
@@ -307,21 +314,21 @@ class Engine:
                 positions += range(start, end)
                 rows += [req.index] * count
                 seq_lens += range(start + 1, end + 1)
+                if num_hashes:
+                    first = max(0, start - width + 1)
+                    span = range(start - first, end - first)
+                    hashed = engram.hash_ids(req.token_span(first, end), span, orders, table_size)
+                    for k in range(num_hashes):
+                        listed[4 + k] += [row[k] for row in hashed]
                 listed_rows(n, count)
                 if count and tokens[-1] == PENDING:  # only a request's last token can be
                     take.append((n + count - 1, self.inflight[-1].sample_of[req.index]))
                 last = req.num_tokens
-            if cfg.engram_layers:  # over the request's history, before any sharding
-                # the n-grams ending in [start, end): from max(order) - 1 tokens before start on
-                first = max(0, start - max(cfg.engram_orders) + 1)
-                history, span = req.token_span(first, end), range(start - first, end - first)
-                hashes += engram.hash_ids(history, span, cfg.engram_orders, cfg.engram_table_size)
             n += count
             if end == last:
                 samples.append((req, n - 1))
         # One pinned block, one copy to the device: rows 0-3 the per-token inputs, then the Engram
         # hashes, the PENDING tokens' gather and the sampled rows, where the step has them.
-        num_hashes = len(cfg.engram_orders) if cfg.engram_layers else 0
         gather_row = 4 + num_hashes
         sample_row = gather_row + bool(take)
         packed = torch.empty(
@@ -333,21 +340,23 @@ class Engine:
             torch.arange(start, start + count, out=packed[1, span])
             packed[2, span] = req.index
             torch.arange(start + 1, start + count + 1, out=packed[3, span])
+            if num_hashes:
+                history = req.prompt_ids[max(0, start - width + 1) : start + count]
+                packed[4:gather_row, span] = engram.hash_windows(
+                    engram.windows(history, start, width), orders, table_size
+                ).t()
         pad = padded - n
-        if pad:  # pad rows: listed after the rest
-            ids += [m.pad_id] * pad
-            positions += [0] * pad
-            rows += [m.trash_row] * pad
-            seq_lens += [1] * pad
+        if pad:  # pad rows (hashing to the tables' zero row): listed after the rest
+            for values, value in zip(
+                listed, [m.pad_id, 0, m.trash_row, 1] + [table_size] * num_hashes, strict=True
+            ):
+                values += [value] * pad
             listed_rows(n, pad)
         if runs:
             values, done = torch.tensor(listed, dtype=torch.int64), 0
             for first, count in runs:
-                packed[:4, first : first + count] = values[:, done : done + count]
+                packed[:gather_row, first : first + count] = values[:, done : done + count]
                 done += count
-        if num_hashes:  # pad rows hash to the tables' zero row
-            packed[4:gather_row, :n] = torch.tensor(hashes, dtype=torch.int64).t()
-            packed[4:gather_row, n:] = cfg.engram_table_size
         if take:  # a gather over [this batch's ids, the in-flight ids]: row i, or padded + its id row
             torch.arange(padded, out=packed[gather_row])
             at, sources = torch.tensor([(row, padded + j) for row, j in take]).t()
