@@ -29,6 +29,7 @@ from spkernels.runner import (
     schedule,
     worker,
 )
+from spkernels.runner import engram as engram_mod
 from spkernels.runner import profile as profile_mod
 from spkernels.runner import weights as weights_mod
 from spkernels.runner.__main__ import parse_args
@@ -236,6 +237,8 @@ def test_cli_check(tmp_path):
     for kind in ("prefill", "decode"):  # per step kind: wall, GPU busy (n/a on cpu), by category
         line = [ln for ln in lines if ln.startswith(f"profile {kind} steps (rank 0): ")]
         assert len(line) == 1 and ", GPU busy n/a; ops busy " in line[0], proc.stdout
+        idle = [ln for ln in lines if ln.startswith(f"profile {kind} idle (rank 0): ")]
+        assert len(idle) == 1 and " ms before the steps' first work; longest: " in idle[0], proc.stdout
     doc = json.loads((tmp_path / "out" / "runner.json").read_text())
     assert doc["command"].startswith("python -m spkernels.runner --device cpu --tp 2 "), doc["command"]
     assert doc["options"]["tp"] == 2 and doc["check"]["ok"] and doc["machine"]["gpu"] == "cpu"
@@ -260,7 +263,8 @@ def test_step_kinds_without_profile():
 
 def test_profile_by_step_kind_attributes_kernels_to_their_step():
     """A kernel counts for the step whose range it starts in, clipped to it; kernels outside every
-    step (the ranks' meeting) and the ranges' own GPU annotations count nowhere."""
+    step (the ranks' meeting) and the ranges' own GPU annotations count nowhere. The idle time is
+    found: before each step's first kernel, and the longest stretches, named by the kernel after."""
 
     def event(name, start, end, device=DeviceType.CUDA):
         return SimpleNamespace(
@@ -288,6 +292,13 @@ def test_profile_by_step_kind_attributes_kernels_to_their_step():
         "mHC": 1.0, "NCCL": 0.0, "attention": 0.0, "GEMM": 2.0, "other": 0.5
     }  # fmt: skip
     assert kinds["decode"]["busy_ms"] == 0.5 and kinds["decode"]["busy_by_category_ms"]["attention"] == 0.3
+    # idle: prefill 0 .. 0.1 (lead), 3.0 .. 4.5; decode 6.0 .. 6.1 and 8.0 .. 8.1 (leads), 6.4 .. 7.0 and
+    # 8.3 .. 9.0 (ends)
+    assert kinds["prefill"]["lead_ms"] == 0.1 and kinds["decode"]["lead_ms"] == 0.2, kinds
+    index_kernel = "void at::native::index_elementwise_kernel<128, 4>"
+    assert kinds["prefill"]["gaps"] == [(1.5, index_kernel), (0.1, "nvjet_tst_128x256")], kinds
+    end, fmha = "the step's end", "fmha_cutlassF_bf16_aligned_64x128_rf_sm80"
+    assert kinds["decode"]["gaps"] == [(0.7, end), (0.6, end), (0.1, fmha)], kinds
     steps = [
         SimpleNamespace(prefill_tokens=64, seconds=0.0051),
         SimpleNamespace(prefill_tokens=0, seconds=0.001),
@@ -297,6 +308,10 @@ def test_profile_by_step_kind_attributes_kernels_to_their_step():
     assert (
         "profile prefill steps (rank 0): 1 steps, wall 5.10 ms, GPU busy 3.40 ms, wall / GPU busy 1.500"
         in (profile_mod.format_step_kind("prefill", entry))
+    )
+    assert profile_mod.format_idle("prefill", entry) == (
+        "profile prefill idle (rank 0): 0.100 ms before the steps' first work; longest: "
+        "1.500 ms before void at::native::index_elementwise_kernel<128, 4>; 0.100 ms before nvjet_tst_128x256"
     )
 
 
@@ -507,6 +522,66 @@ def test_schedule_decode_first_within_budget():
     assert [(r.index, n) for r, n in schedule(requests, budget=8)] == [(0, 1), (1, 3), (2, 3)]
     requests[0].generated = [9, 9]  # done: nothing more for it
     assert [(r.index, n) for r, n in schedule(requests, budget=2)] == [(1, 2)]
+
+
+def test_token_span_slices_the_history_without_building_it():
+    """Request.token_span(start, end) is tokens[start:end] for every span, across the prompt, the
+    generated tokens and (speculating) the drafts, past the end included."""
+    from spkernels.runner.speculative import SpecRequest
+
+    plain = Request(0, [1, 2, 3], 4, generated=[4, 5])
+    spec = SpecRequest(0, [1, 2, 3], 4, generated=[4], draft=[5, 6])
+    for req, tokens in ((plain, [1, 2, 3, 4, 5]), (spec, [1, 2, 3, 4, 5, 6])):
+        assert req.tokens == tokens and req.num_tokens == len(tokens)
+        for start in range(len(tokens) + 2):
+            for end in range(start, len(tokens) + 3):
+                assert req.token_span(start, end) == tokens[start:end], (start, end)
+
+
+@pytest.mark.parametrize("engram", [False, True])
+def test_build_batch_matches_token_by_token_inputs(engram):
+    """A step's inputs, prompt chunks written as ranges and the other tokens one by one, equal what
+    each token gives alone: its id, position, cache row and context length, pad rows after them, the
+    rows to sample (a prompt's last token, a decode row) and the Engram hashes, whatever the order of
+    chunks and decode rows in the step."""
+    p = plan(options(prompt_lens=(3,), gen=2, sp_threshold=None))
+    config = p.config.replace(engram_layers=(1,)) if engram else p.config
+    model = Model(config, random_weights(config, 0, torch.device("cpu")), "cpu", None, 4, p.kv_len)
+    engine = Engine(model, p.policy, 64, overlap=False)
+    requests = [
+        Request(i, torch.randint(0, config.vocab_size, (n,)).tolist(), 4) for i, n in enumerate((9, 5, 7, 6))
+    ]
+    requests[1].num_computed, requests[1].generated = 5, [11]  # decoding
+    requests[2].num_computed, requests[2].generated = 8, [12, 13]
+    requests[3].num_computed = 2  # its second chunk
+    entries = [(requests[0], 4), (requests[1], 1), (requests[2], 1), (requests[3], 4)]
+    batch, samples = engine.build_batch(entries, 13, decode=False)
+    want, rows_to_sample, hashes = [], [], []
+    for req, count in entries:
+        tokens = req.prompt + req.generated
+        for position in range(req.num_computed, req.num_computed + count):
+            want.append((tokens[position], position, req.index, position + 1))
+            if engram:
+                hashes += engram_mod.hash_ids(
+                    tokens, [position], config.engram_orders, config.engram_table_size
+                )
+        if req.num_computed + count == len(tokens):
+            rows_to_sample.append((req.index, len(want) - 1))
+    want += [(model.pad_id, 0, model.trash_row, 1)] * (13 - len(want))
+    got = torch.stack((batch.input_ids, batch.positions, batch.rows, batch.seq_lens), 1).tolist()
+    assert got == [list(t) for t in want]
+    assert batch.num_tokens == 10 and [(r.index, row) for r, row in samples] == rows_to_sample
+    assert batch.sample_idx.tolist() == [row for _, row in rows_to_sample]
+    assert batch.segments == [(0, 0, 0, 4), (1, 4, 5, 1), (2, 5, 8, 1), (3, 6, 2, 4)]
+    if engram:
+        pad = [[config.engram_table_size] * len(config.engram_orders)] * 3
+        assert batch.hash_ids.tolist() == hashes + pad
+    else:
+        assert batch.hash_ids is None
+    decode, _ = engine.build_batch(entries[1:3], 4, decode=True)
+    assert decode.segments is None and decode.sample_idx is None
+    assert decode.input_ids.tolist() == [11, 13, model.pad_id, model.pad_id]
+    assert decode.positions.tolist() == [5, 8, 0, 0] and decode.seq_lens.tolist() == [6, 9, 1, 1]
 
 
 @pytest.mark.parametrize(

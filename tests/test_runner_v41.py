@@ -94,6 +94,27 @@ def test_engram_hash_depends_on_last_n_tokens_only():
     assert ids[0] != engram.hash_ids([4], range(1), orders, size)[0]  # the first token hashes on its own
 
 
+def test_engram_hash_windows_match_one_ngram_at_a_time():
+    """hash_windows (int64 tensor arithmetic modulo 2^61 - 1) gives ngram_hash's exact rows for every
+    order, from a request's first token (sentinels) and from later starts (a window of its history),
+    token ids up to 2^31; its product modulo the prime is exact at the operands' extremes."""
+    prime, gen = engram._PRIME, torch.Generator().manual_seed(5)
+    edges = [0, 1, 2, (1 << 30) - 1, 1 << 30, (1 << 31) - 1, 1 << 31, (1 << 60) + 12345, prime - 2, prime - 1]
+    a = torch.tensor(edges + torch.randint(0, prime, (4096,), generator=gen).tolist())
+    for b in (engram._MULT, 0, 1, (1 << 31) - 1, 1 << 31, prime - 1):
+        assert engram._mul_mod_prime(a, b).tolist() == [x * b % prime for x in a.tolist()], b
+    x = torch.tensor([0, prime - 1, prime, 2 * prime, (1 << 63) - 1])
+    assert engram._mod_prime(x).tolist() == [v % prime for v in x.tolist()]
+    tokens = torch.randint(0, 1 << 31, (300,), generator=gen)
+    for orders in ((2, 3), (1,), (4, 1, 3)):
+        width = max(orders)
+        for start in (0, 1, width - 1, width, 57):
+            history = tokens[max(0, start - width + 1) :]
+            got = engram.hash_windows(engram.windows(history, start, width), orders, 65537)
+            want = engram.hash_ids(tokens.tolist(), range(start, len(tokens)), orders, 65537)
+            assert got.tolist() == want, (orders, start)
+
+
 def test_moe_gates_and_expert_parallel_split():
     gen = torch.Generator().manual_seed(2)
     T, D, F, E, k = 9, 16, 8, 4, 2

@@ -19,7 +19,7 @@ from .. import env
 from .config import PRESETS
 from .engine import MICROBATCH_MIN_TOKENS
 from .launch import RunOptions, exit_without_teardown, launch
-from .profile import STEP_KINDS, format_breakdown, format_step_kind, format_top
+from .profile import STEP_KINDS, format_breakdown, format_idle, format_step_kind, format_top
 from .speculative import DRAFT_MODES
 
 
@@ -233,8 +233,10 @@ def report(results: dict) -> bool:
         for label, top in stats["profile_top"].items():
             print(format_top(label, top))
         for kind in STEP_KINDS:
-            if stats["step_kinds"][kind]["steps"]:
-                print(format_step_kind(kind, stats["step_kinds"][kind]))
+            entry = stats["step_kinds"][kind]
+            if entry["steps"]:
+                print(format_step_kind(kind, entry))
+                print(format_idle(kind, entry))
     for i, tokens in enumerate(results["tokens"]):
         print(f"tokens {i}: {' '.join(map(str, tokens))}")
     check = results.get("check")

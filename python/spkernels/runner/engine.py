@@ -83,10 +83,34 @@ class Request:
     generated: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
+    # The prompt as an int64 tensor, made when the request arrives: a step slices its chunks from it
+    # rather than turning thousands of Python ints into a tensor while the GPU waits.
+    prompt_ids: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.prompt_ids = torch.tensor(self.prompt, dtype=torch.int64)
 
     @property
     def tokens(self) -> list[int]:
-        return self.prompt + self.generated
+        return [token for part in self._parts() for token in part]
+
+    def _parts(self) -> tuple[list[int], ...]:
+        """The token history's lists, oldest first."""
+        return self.prompt, self.generated
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(map(len, self._parts()))
+
+    def token_span(self, start: int, end: int) -> list[int]:
+        """``tokens[start:end]`` without building the history: a step reads a request's last few
+        tokens, and a long context's history is a long list to copy every step."""
+        out = []
+        for part in self._parts():
+            if start < len(part) and end > 0:
+                out += part[max(start, 0) : end]
+            start, end = start - len(part), end - len(part)
+        return out
 
     @property
     def done(self) -> bool:
@@ -232,11 +256,15 @@ class Engine:
 
     # ------------------------------------------------------------------ batches
     def _tensor(self, values):
+        return self._to_device(torch.tensor(values, dtype=torch.int64))
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         # From pageable memory a CUDA copy waits for the stream to drain, i.e. for every forward already
         # enqueued; from pinned memory it is queued like a kernel, so the host goes on building the next
         # microbatch while the GPU runs this one.
-        t = torch.tensor(values, dtype=torch.int64)
-        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+        if self.device.type != "cuda":
+            return t
+        return (t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True)
 
     def _pad_batch(self, padded: int) -> Batch:
         """A pure-pad decode batch: the static inputs of a graph before the first replay."""
@@ -248,55 +276,106 @@ class Engine:
         return batch
 
     def build_batch(self, entries, padded: int, decode: bool) -> tuple[Batch, list[tuple[Request, int]]]:
-        """The step's Batch and [(request, batch row)] of the rows to sample. A decode token that is
-        still PENDING is taken on the device from the ids of the step in flight that sampled it."""
+        """The step's Batch and [(request, batch row)] of the rows to sample. A prompt chunk's inputs are
+        written as ranges (its ids sliced from the request's prompt tensor, its Engram hashes for all
+        its tokens at once), the other tokens' one by one from lists; every input goes to the device in
+        one copy. A decode token that is still PENDING is taken on the device from the ids of the step
+        in flight that sampled it."""
         m = self.model
         cfg = m.config
-        ids, positions, rows, seq_lens, segments, samples, hashes = [], [], [], [], [], [], []
+        # Engram: each token's hashes over its request's history, before any sharding; n-grams ending
+        # at positions [start, end) need the request's tokens from start - (width - 1) on.
+        orders, table_size = cfg.engram_orders, cfg.engram_table_size
+        num_hashes, width = (len(orders), max(orders)) if cfg.engram_layers else (0, 0)
+        chunks = []  # (first batch row, request, first position, count) per prompt chunk
+        # the other rows' inputs, one by one: ids, positions, cache rows, context lengths, hashes
+        listed = [[] for _ in range(4 + num_hashes)]
+        ids, positions, rows, seq_lens = listed[:4]
+        runs = []  # [first batch row, count] of each run of consecutive listed rows
+
+        def listed_rows(first: int, count: int) -> None:
+            if runs and runs[-1][0] + runs[-1][1] == first:
+                runs[-1][1] += count
+            else:
+                runs.append([first, count])
+
+        segments, samples = [], []
         take = []  # (batch row, row of the in-flight step's ids) per PENDING token
+        n = 0
         for req, count in entries:
-            start, first = req.num_computed, len(ids)
-            ids += req.tokens[start : start + count]
-            if count and ids[-1] == PENDING:  # only a request's last token can be
-                take.append((len(ids) - 1, self.inflight[-1].sample_of[req.index]))
-            positions += range(start, start + count)
-            rows += [req.index] * count
-            seq_lens += range(start + 1, start + count + 1)
-            segments.append((req.index, first, start, count))
-            if cfg.engram_layers:  # over the request's whole history, before any sharding
-                span = range(start, start + count)
-                hashes += engram.hash_ids(req.tokens, span, cfg.engram_orders, cfg.engram_table_size)
-            if start + count == len(req.tokens):
-                samples.append((req, len(ids) - 1))
-        num_tokens, pad = len(ids), padded - len(ids)
-        # One host-to-device copy for the four per-token inputs: it sits on every decode step.
-        columns = [
-            ids + [m.pad_id] * pad,
-            positions + [0] * pad,
-            rows + [m.trash_row] * pad,
-            seq_lens + [1] * pad,
-        ]
-        if cfg.engram_layers:  # pad rows hash to the tables' zero row
-            hashes += [[cfg.engram_table_size] * len(cfg.engram_orders)] * pad
-            columns += [list(col) for col in zip(*hashes, strict=True)]
+            start, end = req.num_computed, req.num_computed + count
+            segments.append((req.index, n, start, count))
+            if start < end <= len(req.prompt):  # a prompt chunk: sampled where it ends the prompt
+                chunks.append((n, req, start, count))
+                last = len(req.prompt)
+            else:
+                tokens = req.token_span(start, end)
+                ids += tokens
+                positions += range(start, end)
+                rows += [req.index] * count
+                seq_lens += range(start + 1, end + 1)
+                if num_hashes:
+                    first = max(0, start - width + 1)
+                    span = range(start - first, end - first)
+                    hashed = engram.hash_ids(req.token_span(first, end), span, orders, table_size)
+                    for k in range(num_hashes):
+                        listed[4 + k] += [row[k] for row in hashed]
+                listed_rows(n, count)
+                if count and tokens[-1] == PENDING:  # only a request's last token can be
+                    take.append((n + count - 1, self.inflight[-1].sample_of[req.index]))
+                last = req.num_tokens
+            n += count
+            if end == last:
+                samples.append((req, n - 1))
+        # One pinned block, one copy to the device: rows 0-3 the per-token inputs, then the Engram
+        # hashes, the PENDING tokens' gather and the sampled rows, where the step has them.
+        gather_row = 4 + num_hashes
+        sample_row = gather_row + bool(take)
+        packed = torch.empty(
+            (sample_row + (not decode), padded), dtype=torch.int64, pin_memory=self.device.type == "cuda"
+        )
+        for first, req, start, count in chunks:
+            span = slice(first, first + count)
+            packed[0, span] = req.prompt_ids[start : start + count]
+            torch.arange(start, start + count, out=packed[1, span])
+            packed[2, span] = req.index
+            torch.arange(start + 1, start + count + 1, out=packed[3, span])
+            if num_hashes:
+                history = req.prompt_ids[max(0, start - width + 1) : start + count]
+                packed[4:gather_row, span] = engram.hash_windows(
+                    engram.windows(history, start, width), orders, table_size
+                ).t()
+        pad = padded - n
+        if pad:  # pad rows (hashing to the tables' zero row): listed after the rest
+            for values, value in zip(
+                listed, [m.pad_id, 0, m.trash_row, 1] + [table_size] * num_hashes, strict=True
+            ):
+                values += [value] * pad
+            listed_rows(n, pad)
+        if runs:
+            values, done = torch.tensor(listed, dtype=torch.int64), 0
+            for first, count in runs:
+                packed[:gather_row, first : first + count] = values[:, done : done + count]
+                done += count
         if take:  # a gather over [this batch's ids, the in-flight ids]: row i, or padded + its id row
-            source = list(range(padded))
-            for row, j in take:
-                source[row] = padded + j
-            columns.append(source)
-        packed = self._tensor(columns)
-        input_ids, positions_t, rows_t, seq_lens_t = packed[:4].unbind(0)
+            torch.arange(padded, out=packed[gather_row])
+            at, sources = torch.tensor([(row, padded + j) for row, j in take]).t()
+            packed[gather_row, at] = sources
+        if not decode:
+            packed[sample_row, : len(samples)] = torch.tensor([row for _, row in samples])
+        on_device = self._to_device(packed)
+        input_ids, positions_t, rows_t, seq_lens_t = on_device[:4].unbind(0)
         if take:
-            input_ids = torch.cat((input_ids, self.inflight[-1].ids))[packed[-1]]
+            input_ids = torch.cat((input_ids, self.inflight[-1].ids))[on_device[gather_row]]
         batch = Batch(
             input_ids=input_ids,
             positions=positions_t,
             rows=rows_t,
             seq_lens=seq_lens_t,
-            num_tokens=num_tokens,
+            num_tokens=n,
             segments=None if decode else segments,
-            sample_idx=None if decode else self._tensor([row for _, row in samples]),
-            hash_ids=packed[4 : 4 + len(cfg.engram_orders)].t().contiguous() if cfg.engram_layers else None,
+            sample_idx=None if decode else on_device[sample_row, : len(samples)],
+            hash_ids=on_device[4:gather_row].t().contiguous() if num_hashes else None,
         )
         return batch, samples
 

@@ -139,37 +139,57 @@ def _work(events, device_type: str):
             yield e.name, e.time_range.start, e.time_range.end
 
 
+IDLE_GAPS = 3  # the longest idle stretches by_step_kind reports per step kind
+
+
 def by_step_kind(events, device_type: str) -> dict[str, dict]:
     """Per step kind, from the Engine's STEP_RANGE ranges in ``profiler.events()``: the steps seen,
     the milliseconds of them that any work covers ("busy": GPU kernels on cuda, outermost ops on
-    cpu) and what each category covers. A kernel belongs to the step whose range it starts in
-    (clipped to it). A synchronous step's range begins with the device drained and ends with its
-    tokens read, so its kernels run inside it. An overlapped step's range runs from the previous
-    step's completion to its own (Engine._complete), which is when the GPU runs its kernels: queued
-    behind the previous step, they start as it ends; only where the GPU catches up with the host
-    during an enqueue can a step's first kernels start before its range and count for the step
-    before."""
+    cpu), what each category covers, and where the rest went: ``lead_ms``, from each range's start
+    to its first work (on cuda: the host's work before the GPU gets the step's first kernel), and
+    ``gaps``, the IDLE_GAPS longest idle stretches in the ranges as (ms, the work that ended the
+    wait, or "the step's end": the device done before the host saw it).
+
+    A kernel belongs to the step whose range it starts in (clipped to it). A synchronous step's
+    range begins with the device drained and ends with its tokens read, so its kernels run inside
+    it. An overlapped step's range runs from the previous step's completion to its own
+    (Engine._complete), which is when the GPU runs its kernels: queued behind the previous step,
+    they start as it ends; only where the GPU catches up with the host during an enqueue can a
+    step's first kernels start before its range and count for the step before."""
     ranges = sorted(
         (e.time_range.start, e.time_range.end, e.name[len(STEP_RANGE) :])
         for e in events
         if e.device_type == DeviceType.CPU and e.name.startswith(STEP_RANGE)
     )
     starts = [start for start, _, _ in ranges]
-    spans = {kind: {label: [] for label in LABELS} for _, _, kind in ranges}
+    work = [[] for _ in ranges]  # (start, clipped end, name) per range
     for name, start, end in _work(events, device_type):
         i = bisect.bisect_right(starts, start) - 1
         if i < 0 or start >= ranges[i][1]:
             continue  # outside every timed step (the ranks' meeting, the tracer's own work)
-        low, high, kind = ranges[i]
-        spans[kind][category(name)].append((start, min(end, high)))
-    out = {}
-    for kind, by_label in spans.items():
-        out[kind] = {
+        work[i].append((start, min(end, ranges[i][1]), name))
+    spans = {kind: {label: [] for label in LABELS} for _, _, kind in ranges}
+    leads, gaps = dict.fromkeys(spans, 0), {kind: [] for kind in spans}
+    for (low, high, kind), items in zip(ranges, work, strict=True):
+        reach = low  # how far the step's work has covered its range so far
+        for start, end, name in sorted(items):
+            spans[kind][category(name)].append((start, end))
+            if start > reach:
+                gaps[kind].append(((start - reach) / 1000, name))
+            reach = max(reach, end)
+        if high > reach:
+            gaps[kind].append(((high - reach) / 1000, "the step's end"))
+        leads[kind] += (min(items)[0] if items else high) - low
+    return {
+        kind: {
             "steps": sum(k == kind for _, _, k in ranges),
             "busy_ms": covered_ms(iv for ivs in by_label.values() for iv in ivs),
             "busy_by_category_ms": {label: covered_ms(ivs) for label, ivs in by_label.items()},
+            "lead_ms": leads[kind] / 1000,
+            "gaps": sorted(gaps[kind], key=lambda gap: -gap[0])[:IDLE_GAPS],
         }
-    return out
+        for kind, by_label in spans.items()
+    }
 
 
 # Ops that launch no work of their own: views, allocations, dtype and layout no-ops.
@@ -208,7 +228,8 @@ def step_kinds(steps, profiled: dict | None, device_type: str) -> dict[str, dict
     """The results' per-step-kind figures: steps, ``wall_ms`` (the steps' clock, Engine.step) and,
     from a profile on cuda, ``gpu_busy_ms`` (GPU time any kernel covers), ``wall_per_gpu_busy`` and
     ``gpu_ms`` by category; None where not measured (no profile, or cpu: no GPU). A profile on cpu
-    gives ``cpu_ops_busy_ms`` and ``cpu_ops_ms`` instead (outermost ops)."""
+    gives ``cpu_ops_busy_ms`` and ``cpu_ops_ms`` instead (outermost ops). A profile's ``lead_ms`` and
+    ``gaps`` (by_step_kind) say where a kind's wall time without work went."""
     out = {}
     for kind in STEP_KINDS:
         mine = [s for s in steps if bool(s.prefill_tokens) == (kind == "prefill")]
@@ -227,6 +248,8 @@ def step_kinds(steps, profiled: dict | None, device_type: str) -> dict[str, dict
             entry["wall_per_gpu_busy"] = wall / busy if busy else None
         elif seen is not None:
             entry.update(cpu_ops_busy_ms=seen["busy_ms"], cpu_ops_ms=seen["busy_by_category_ms"])
+        if seen is not None:
+            entry.update(lead_ms=seen["lead_ms"], gaps=seen["gaps"])
         out[kind] = entry
     return out
 
@@ -243,6 +266,14 @@ def format_step_kind(kind: str, entry: dict) -> str:
         parts = ", ".join(f"{k} {v:.2f} ms" for k, v in entry["cpu_ops_ms"].items())
         return f"{head}, GPU busy n/a; ops busy {entry['cpu_ops_busy_ms']:.2f} ms: {parts}"
     return f"{head}, GPU busy n/a"
+
+
+def format_idle(kind: str, entry: dict) -> str:
+    """The --profile line of where a step kind's idle time is: before each step's first work, and
+    the longest idle stretches, each named by the work that ended it."""
+    gaps = "; ".join(f"{ms:.3f} ms before {name[:70]}" for ms, name in entry["gaps"]) or "none"
+    lead = f"{entry['lead_ms']:.3f} ms before the steps' first work"
+    return f"profile {kind} idle (rank 0): {lead}; longest: {gaps}"
 
 
 def format_breakdown(totals: dict[str, float], device_type: str, what: str | None = None) -> str:

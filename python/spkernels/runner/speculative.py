@@ -44,9 +44,8 @@ DRAFT_MODES = ("mtp", "oracle", "wrong")
 class SpecRequest(Request):
     draft: list[int] = field(default_factory=list)  # proposed tokens after the last generated one
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.generated + self.draft
+    def _parts(self) -> tuple[list[int], ...]:
+        return self.prompt, self.generated, self.draft
 
     @property
     def decode_tokens(self) -> int:
@@ -175,8 +174,8 @@ class SpeculativeEngine(Engine):
         num_tokens, padded = batch.num_tokens, batch.input_ids.shape[0]
         ids = []
         for (req, count), start in zip(entries, starts, strict=True):
-            tokens = req.tokens
-            ids += [tokens[p + 1] if p + 1 < len(tokens) else m.pad_id for p in range(start, start + count)]
+            # each token's successor (a pad past the last)
+            ids += (req.token_span(start + 1, start + count + 1) + [m.pad_id] * count)[:count]
         ids += [m.pad_id] * (padded - num_tokens)
         first = dataclasses.replace(
             batch,
