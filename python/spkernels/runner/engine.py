@@ -90,10 +90,6 @@ class Request:
     def __post_init__(self):
         self.prompt_ids = torch.tensor(self.prompt, dtype=torch.int64)
 
-    @property
-    def tokens(self) -> list[int]:
-        return [token for part in self._parts() for token in part]
-
     def _parts(self) -> tuple[list[int], ...]:
         """The token history's lists, oldest first."""
         return self.prompt, self.generated
@@ -103,8 +99,8 @@ class Request:
         return sum(map(len, self._parts()))
 
     def token_span(self, start: int, end: int) -> list[int]:
-        """``tokens[start:end]`` without building the history: a step reads a request's last few
-        tokens, and a long context's history is a long list to copy every step."""
+        """The history's tokens [start, end), without building the history: a step reads a request's
+        last few tokens, and a long context's history is a long list to copy every step."""
         out = []
         for part in self._parts():
             if start < len(part) and end > 0:
