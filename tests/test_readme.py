@@ -1,9 +1,11 @@
-"""The README's example runs as written: two CPU processes over gloo, under torchrun."""
+"""The README's example runs as written (two CPU processes over gloo, under torchrun); the docs' links
+lead to files of the repository and their runner commands are ones the runner accepts."""
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +44,32 @@ def test_readme_example_runs(tmp_path):
             break
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
     assert finished, proc.stdout
+
+
+DOCS = [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").rglob("*.md"))]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_doc_links_lead_to_repository_files(doc):
+    """Every relative link of a doc names a file or folder of the repository (no web page is checked)."""
+    for target in re.findall(r"\]\(([^)#\s]+)", doc.read_text()):
+        if "://" not in target:
+            assert (doc.parent / target).exists(), f"{doc.name} links to {target}, which does not exist"
+
+
+def test_runner_doc_commands_parse():
+    """docs/runner.md's runner command lines (``$R`` standing for its R=...) parse as runner options."""
+    from spkernels.runner.__main__ import parse_args
+
+    text = (REPO / "docs" / "runner.md").read_text()
+    lines = [
+        ln.split("  #")[0]
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+        for ln in block.splitlines()
+    ]
+    r = next(shlex.split(ln.split("=", 1)[1])[0] for ln in lines if ln.startswith("R="))
+    commands = [ln.replace("$R", r, 1) for ln in lines if ln.startswith(("$R", "python -m spkernels.runner"))]
+    assert len(commands) >= 6, commands
+    for command in commands:
+        argv = shlex.split(command)[3:]  # after python -m spkernels.runner
+        parse_args(argv)
