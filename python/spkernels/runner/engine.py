@@ -280,9 +280,10 @@ class Engine:
         m = self.model
         cfg = m.config
         # Engram: each token's hashes over its request's history, before any sharding; n-grams ending
-        # at positions [start, end) need the request's tokens from start - (width - 1) on.
+        # at positions [start, end) need the request's tokens from start - (width - 1) on (width 1:
+        # a row's own tokens only, without Engram).
         orders, table_size = cfg.engram_orders, cfg.engram_table_size
-        num_hashes, width = (len(orders), max(orders)) if cfg.engram_layers else (0, 0)
+        num_hashes, width = (len(orders), max(orders)) if cfg.engram_layers else (0, 1)
         chunks = []  # (first batch row, request, first position, count) per prompt chunk
         # the other rows' inputs, one by one: ids, positions, cache rows, context lengths, hashes
         listed = [[] for _ in range(4 + num_hashes)]
@@ -305,17 +306,17 @@ class Engine:
                 chunks.append((n, req, start, count))
                 last = len(req.prompt)
             else:
-                tokens = req.token_span(start, end)
+                first = max(0, start - width + 1)
+                history = req.token_span(first, end)
+                tokens = history[start - first :]
                 ids += tokens
                 positions += range(start, end)
                 rows += [req.index] * count
                 seq_lens += range(start + 1, end + 1)
                 if num_hashes:
-                    first = max(0, start - width + 1)
-                    span = range(start - first, end - first)
-                    hashed = engram.hash_ids(req.token_span(first, end), span, orders, table_size)
-                    for k in range(num_hashes):
-                        listed[4 + k] += [row[k] for row in hashed]
+                    hashed = engram.hash_ids(history, range(start - first, end - first), orders, table_size)
+                    for k, column in enumerate(zip(*hashed, strict=True)):
+                        listed[4 + k] += column
                 listed_rows(n, count)
                 if count and tokens[-1] == PENDING:  # only a request's last token can be
                     take.append((n + count - 1, self.inflight[-1].sample_of[req.index]))
