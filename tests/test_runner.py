@@ -437,6 +437,9 @@ OVERLAP_CASES = {
     "tp2-sp": options(tp=2, sp_threshold=16),
     "tp2-nosp": options(tp=2, sp_threshold=None),
     "tp2-sp-chunked": options(tp=2, sp_threshold=8, max_tokens_per_step=12),
+    # V4.1 with Engram: a PENDING token's n-grams completed on the device, its hashes sharded under SP
+    "tp1-engram-chunked": options(tp=1, arch="v4.1", sp_threshold=None, max_tokens_per_step=12),
+    "tp2-sp-engram": options(tp=2, arch="v4.1", sp_threshold=4, max_tokens_per_step=12),
 }  # fmt: skip
 
 
@@ -452,7 +455,8 @@ def assert_same_run(got: dict, want: dict) -> None:
 
 def test_overlap_matches_synchronous_steps():
     """Overlapped steps (the next one enqueued before the last one's tokens reach the host) give the
-    synchronous steps' tokens, logits and schedule bitwise, at tp = 1 and 2, with and without SP."""
+    synchronous steps' tokens, logits and schedule bitwise, at tp = 1 and 2, with and without SP,
+    with Engram."""
     cases = {}
     for name, opts in OVERLAP_CASES.items():
         cases[name] = opts
@@ -465,6 +469,7 @@ def test_overlap_matches_synchronous_steps():
     mb = results["tp1-chunked-mb"]
     assert len(mb["forwards"]) > len(mb["steps"])  # some steps ran several forwards
     assert {s[2] for s in results["tp2-sp"]["steps"]} == {True, False}  # SP prefill, TP decode
+    assert any(s[2] for s in results["tp2-sp-engram"]["steps"])  # Engram hashes sharded under SP
 
 
 def test_overlapped_steps_read_tokens_only_after_the_next_step():
@@ -506,15 +511,16 @@ def test_overlapped_steps_read_tokens_only_after_the_next_step():
 
 
 def test_overlap_applies_where_the_schedule_ignores_tokens():
-    """Overlap is on by default; off with overlap=False, pipeline stages, Engram (its hashes need the
-    tokens on the host) and speculative decoding (its schedule depends on acceptance)."""
+    """Overlap is on by default, Engram included (a PENDING token's hashes are completed on the
+    device); off with overlap=False, pipeline stages and speculative decoding (its schedule depends
+    on acceptance)."""
     p = plan(options(prompt_lens=(3, 5), gen=2, sp_threshold=None))
     weights = random_weights(p.config, 0, torch.device("cpu"))
     model = Model(p.config, weights, "cpu", None, 2, p.kv_len)
     assert Engine(model, p.policy, 64).overlap and not Engine(model, p.policy, 64, overlap=False).overlap
     config = p.config.replace(engram_layers=(1,))
     engram = Model(config, random_weights(config, 0, torch.device("cpu")), "cpu", None, 2, p.kv_len)
-    assert not Engine(engram, p.policy, 64).overlap
+    assert Engine(engram, p.policy, 64).overlap
     assert parse_args(["--no-overlap"]).overlap is False and parse_args([]).overlap is True
 
 
@@ -587,6 +593,36 @@ def test_build_batch_matches_token_by_token_inputs(engram):
     assert decode.segments is None and decode.sample_idx is None
     assert decode.input_ids.tolist() == [11, 13, model.pad_id, model.pad_id]
     assert decode.positions.tolist() == [5, 8, 0, 0] and decode.seq_lens.tolist() == [6, 9, 1, 1]
+
+
+@pytest.mark.parametrize("engram", [False, True])
+def test_build_batch_completes_pending_tokens_on_the_device(engram):
+    """A decode row whose token is still PENDING takes it from the in-flight step's ids, and with
+    Engram its n-grams, hashed on the host up to that token, are completed on the device: the batch
+    equals the one built with the token known, next to a known decode row, a chunk and pad rows."""
+    p = plan(options(prompt_lens=(3,), gen=2, sp_threshold=None))
+    config = p.config.replace(engram_layers=(1,)) if engram else p.config
+    model = Model(config, random_weights(config, 0, torch.device("cpu")), "cpu", None, 4, p.kv_len)
+    engine = Engine(model, p.policy, 64)
+    ids = torch.randint(0, config.vocab_size, (12,)).tolist()
+    engine.inflight = [SimpleNamespace(ids=torch.tensor([ids[0], ids[1]]), sample_of={0: 1, 2: 0})]
+    batches = []
+    for pending in (True, False):
+        requests = [Request(i, ids[2 + 2 * i : 4 + 2 * i] * (i + 1), 4) for i in range(4)]
+        for req, generated in zip(requests[:3], ([ids[10], ids[1]], [ids[11]], [ids[0]]), strict=True):
+            req.num_computed, req.generated = (
+                req.num_computed + len(req.prompt) + len(generated) - 1,
+                generated,
+            )
+            if pending and req.index != 1:
+                req.generated = req.generated[:-1] + [PENDING]
+        entries = [(requests[0], 1), (requests[1], 1), (requests[2], 1), (requests[3], 5)]
+        batches.append(engine.build_batch(entries, 12, decode=False)[0])
+    got, want = batches
+    for name in ("input_ids", "positions", "rows", "seq_lens", "sample_idx", "hash_ids"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    assert got.input_ids[:3].tolist() == [ids[1], ids[11], ids[0]]
 
 
 @pytest.mark.parametrize(
@@ -755,10 +791,12 @@ def test_gpu_overlap_matches_synchronous_steps():
     """On CUDA with decode graphs, overlapped steps (each replay fed the previous step's ids on the
     device, tokens and logits through pinned copies read a step late) give the synchronous steps'
     tokens and logits bitwise, in pure decode replays and in chunked steps that mix prompt chunks with
-    decode rows. Profiled, every step kind has wall and GPU busy time."""
+    decode rows, with Engram (hashes completed on the device, then copied into the graph's inputs).
+    Profiled, every step kind has wall and GPU busy time."""
     base = {
         "graphs": options(device="cuda", sp_threshold=None),
         "graphs-chunked": options(device="cuda", sp_threshold=None, max_tokens_per_step=12),
+        "graphs-engram": options(device="cuda", arch="v4.1", sp_threshold=None, max_tokens_per_step=12),
     }
     cases = {"profiled": dataclasses.replace(base["graphs"], profile=True)}
     for name, opts in base.items():

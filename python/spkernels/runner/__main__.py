@@ -138,7 +138,7 @@ def parse_args(argv=None) -> RunOptions:
         dest="overlap",
         action="store_false",
         help="run every step synchronously (build, forward, read the tokens) instead of enqueuing step "
-        "n + 1 while the GPU runs step n (on by default; never with --mtp, --pp > 1 or Engram layers)",
+        "n + 1 while the GPU runs step n (on by default; never with --mtp or --pp > 1)",
     )
     p.add_argument(
         "--comm-max-tokens",

@@ -17,13 +17,13 @@ steps, pure decode steps in particular, run as one forward.
 
 Overlap (the default where it applies): because the schedule never looks at token values, step n + 1
 is scheduled, built and enqueued while the GPU still runs step n. A step's greedy tokens stay on the
-device (a decode input not yet on the host is gathered there from the previous step's ids) and
-reach the host through a non-blocking copy that the host reads only after enqueuing the next step,
-so the GPU does not idle while the host builds a batch or reads tokens. It needs a schedule that
-ignores token values (not SpeculativeEngine's), sampling on every rank (pp = 1) and inputs the
-device can complete (no Engram hashes, which the host computes from the token history); elsewhere,
-and with ``overlap=False``, each step runs synchronously: devices drained and ranks met, build,
-forward, tokens read.
+device (a decode input not yet on the host is gathered there from the previous step's ids, and its
+Engram n-grams, hashed on the host up to that token, are completed there with it) and reach the
+host through a non-blocking copy that the host reads only after enqueuing the next step, so the GPU
+does not idle while the host builds a batch or reads tokens. It needs a schedule that ignores token
+values (not SpeculativeEngine's) and sampling on every rank (pp = 1); elsewhere, and with
+``overlap=False``, each step runs synchronously: devices drained and ranks met, build, forward,
+tokens read.
 """
 
 from __future__ import annotations
@@ -243,10 +243,9 @@ class Engine:
         self.label_steps = False
         self._range = None  # the open step range
         # Overlap step n + 1's host work with step n's device work (module docstring): where the
-        # schedule ignores token values, the last stage samples on every rank and no input needs the
-        # host to know the tokens.
+        # schedule ignores token values and the last stage samples on every rank.
         pp = model.stage.pp_size if model.stage is not None else 1
-        self.overlap = overlap and self.schedule_ignores_tokens and pp == 1 and not model.config.engram_layers
+        self.overlap = overlap and self.schedule_ignores_tokens and pp == 1
         self.inflight: list[InFlight] = []  # oldest first; at most one between steps
         self._clock = 0.0  # overlap: when the last completed step completed
 
@@ -276,7 +275,7 @@ class Engine:
         written as ranges (its ids sliced from the request's prompt tensor, its Engram hashes for all
         its tokens at once), the other tokens' one by one from lists; every input goes to the device in
         one copy. A decode token that is still PENDING is taken on the device from the ids of the step
-        in flight that sampled it."""
+        in flight that sampled it, and its Engram hashes are completed there."""
         m = self.model
         cfg = m.config
         # Engram: each token's hashes over its request's history, before any sharding; n-grams ending
@@ -313,13 +312,17 @@ class Engine:
                 positions += range(start, end)
                 rows += [req.index] * count
                 seq_lens += range(start + 1, end + 1)
-                if num_hashes:
-                    hashed = engram.hash_ids(history, range(start - first, end - first), orders, table_size)
+                pending = count > 0 and tokens[-1] == PENDING  # only a request's last token can be
+                if pending:
+                    take.append((n + count - 1, self.inflight[-1].sample_of[req.index]))
+                if num_hashes:  # a PENDING token's n-grams left open, closed on the device
+                    span = range(start - first, end - first - pending)
+                    hashed = engram.hash_ids(history, span, orders, table_size)
+                    if pending:
+                        hashed.append(engram.open_hashes(history, end - 1 - first, orders))
                     for k, column in enumerate(zip(*hashed, strict=True)):
                         listed[4 + k] += column
                 listed_rows(n, count)
-                if count and tokens[-1] == PENDING:  # only a request's last token can be
-                    take.append((n + count - 1, self.inflight[-1].sample_of[req.index]))
                 last = req.num_tokens
             n += count
             if end == last:
@@ -362,8 +365,13 @@ class Engine:
             packed[sample_row, : len(samples)] = torch.tensor([row for _, row in samples])
         on_device = self._to_device(packed)
         input_ids, positions_t, rows_t, seq_lens_t = on_device[:4].unbind(0)
+        hash_ids = on_device[4:gather_row].t() if num_hashes else None
         if take:
-            input_ids = torch.cat((input_ids, self.inflight[-1].ids))[on_device[gather_row]]
+            source = on_device[gather_row]
+            input_ids = torch.cat((input_ids, self.inflight[-1].ids))[source]
+            if num_hashes:
+                closed = engram.close_hashes(hash_ids, input_ids, table_size)
+                hash_ids = torch.where((source >= padded)[:, None], closed, hash_ids)
         batch = Batch(
             input_ids=input_ids,
             positions=positions_t,
@@ -372,7 +380,7 @@ class Engine:
             num_tokens=n,
             segments=None if decode else segments,
             sample_idx=None if decode else on_device[sample_row, : len(samples)],
-            hash_ids=on_device[4:gather_row].t().contiguous() if num_hashes else None,
+            hash_ids=hash_ids.contiguous() if num_hashes else None,
         )
         return batch, samples
 

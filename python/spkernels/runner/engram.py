@@ -27,13 +27,18 @@ GATE_EPS = 1e-6
 RMS_EPS = 1e-6
 
 
+def _state(tokens: list[int], n: int) -> int:
+    """The hash state of an n-gram after ``tokens``, its first ones (oldest first)."""
+    h = n
+    for token in tokens:
+        h = (h * _MULT + token + 2) % _PRIME
+    return h
+
+
 def ngram_hash(window: list[int], table_size: int) -> int:
     """Row of the table for the n-gram ``window`` (oldest token first): the definition, one n-gram
     at a time (hash_windows computes it for a batch)."""
-    h = len(window)
-    for token in window:
-        h = (h * _MULT + token + 2) % _PRIME
-    return h % table_size
+    return _state(window, len(window)) % table_size
 
 
 def hash_ids(
@@ -49,6 +54,23 @@ def hash_ids(
             row.append(ngram_hash(window, table_size))
         out.append(row)
     return out
+
+
+def open_hashes(tokens: list[int], p: int, orders: tuple[int, ...]) -> list[int]:
+    """Per order n, the hash of the n-gram ending at position ``p`` of one request, left open before
+    its last token (tokens[p], not on the host yet: overlapped steps): close_hashes completes it.
+    The state before the token, times the multiplier, plus 2, modulo the prime."""
+    out = []
+    for n in orders:
+        before = [tokens[q] if q >= 0 else _SENTINEL for q in range(p - n + 1, p)]
+        out.append((_state(before, n) * _MULT + 2) % _PRIME)
+    return out
+
+
+def close_hashes(opened: torch.Tensor, tokens: torch.Tensor, table_size: int) -> torch.Tensor:
+    """[T, orders] open_hashes values completed with each row's last token [T] (on the device): the
+    table rows ngram_hash gives."""
+    return _mod_prime(opened + tokens[:, None]) % table_size
 
 
 def windows(history: torch.Tensor, start: int, width: int) -> torch.Tensor:
