@@ -332,3 +332,19 @@ def test_bench_rejects_bad_arguments_before_spawning(capsys, argv, named):
         collectives.parse_args(argv)
     assert named in capsys.readouterr().err
     collectives.parse_args(["--T", "8,64", "--D", "4096", "--modes", "graph", "--compile-D", ""])  # fine
+
+
+def test_runner_host_against_a_baseline(tmp_path):
+    """bench/runner_host.py times every case's batch build for this tree and a baseline revision's
+    engine.py (here HEAD's) and writes them with the machine facts."""
+    cmd = [sys.executable, str(REPO / "bench" / "runner_host.py"), "--device", "cpu", "--quick"]
+    cmd += ["--calls", "1", "--repeats", "1", "--baseline", "HEAD", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
+    doc = json.loads((tmp_path / "runner_host.json").read_text())
+    assert MACHINE_KEYS <= set(doc["machine"]) and doc["config"]["baseline"] == "HEAD"
+    assert [r["case"] for r in doc["rows"]][:2] == ["prefill 8192", "decode 16 x 64"]
+    assert len(doc["rows"]) == 6 and any("Engram" in r["case"] for r in doc["rows"])
+    for r in doc["rows"]:
+        assert r["current_us"] > 0 and r["baseline_us"] > 0, r
+        assert r["speedup"] == pytest.approx(r["baseline_us"] / r["current_us"])

@@ -94,10 +94,6 @@ class Request:
         """The token history's lists, oldest first."""
         return self.prompt, self.generated
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(map(len, self._parts()))
-
     def token_span(self, start: int, end: int) -> list[int]:
         """The history's tokens [start, end), without building the history: a step reads a request's
         last few tokens, and a long context's history is a long list to copy every step."""
@@ -303,10 +299,12 @@ class Engine:
             segments.append((req.index, n, start, count))
             if start < end <= len(req.prompt):  # a prompt chunk: sampled where it ends the prompt
                 chunks.append((n, req, start, count))
-                last = len(req.prompt)
+                sampled = end == len(req.prompt)
             else:
                 first = max(0, start - width + 1)
-                history = req.token_span(first, end)
+                history = req.token_span(first, end + 1)  # and the token after the row's, if any
+                sampled = len(history) == end - first  # none: the request's last token
+                del history[end - first :]
                 tokens = history[start - first :]
                 ids += tokens
                 positions += range(start, end)
@@ -323,9 +321,8 @@ class Engine:
                     for k, column in enumerate(zip(*hashed, strict=True)):
                         listed[4 + k] += column
                 listed_rows(n, count)
-                last = req.num_tokens
             n += count
-            if end == last:
+            if sampled:
                 samples.append((req, n - 1))
         # One pinned block, one copy to the device: rows 0-3 the per-token inputs, then the Engram
         # hashes, the PENDING tokens' gather and the sampled rows, where the step has them.
