@@ -3,9 +3,9 @@
 The host builds each step's batch while the GPU runs the step before; what nothing in flight hides
 (a generation's first step) adds to the step's wall time. Each case builds one batch of synthetic
 requests: an 8192-token prompt chunk, decode rows of short and of long contexts, with and without
-Engram. ``--baseline REV`` loads REV's ``runner/engine.py`` (with this tree's other modules) beside
-this tree's and interleaves the two loop by loop, so the comparison is a same-run A/B. On cuda the
-batch goes through pinned memory to the device, as in a run.
+Engram. ``--baseline REV`` loads REV's ``runner/engine.py`` (or an engine.py file; with this tree's
+other modules) beside this tree's and interleaves the two loop by loop, so the comparison is a
+same-run A/B. On cuda the batch goes through pinned memory to the device, as in a run.
 
     python bench/runner_host.py --device cpu --baseline 54a3f7d
     python bench/runner_host.py --device cuda --baseline 54a3f7d --out DIR
@@ -43,13 +43,16 @@ QUICK = {"prefill 8192": 256, "decode 16 x 8192": 512, "decode 64 x 32768": 1024
 
 
 def baseline_engine(rev: str):
-    """REV's runner/engine.py as a module of spkernels.runner (its relative imports: this tree's)."""
-    source = subprocess.run(
-        ["git", "show", f"{rev}:python/spkernels/runner/engine.py"],
-        cwd=REPO, capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    path = Path(tempfile.mkdtemp()) / "engine_baseline.py"
-    path.write_text(source)
+    """REV's runner/engine.py (or the engine.py at path REV, where there is no git history) as a
+    module of spkernels.runner: its relative imports are this tree's."""
+    path = Path(rev)
+    if not path.is_file():
+        source = subprocess.run(
+            ["git", "show", f"{rev}:python/spkernels/runner/engine.py"],
+            cwd=REPO, capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        path = Path(tempfile.mkdtemp()) / "engine_baseline.py"
+        path.write_text(source)
     spec = importlib.util.spec_from_file_location("spkernels.runner.engine_baseline", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -88,7 +91,12 @@ def time_loop(build, calls: int, sync) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--baseline", default=None, metavar="REV", help="git revision whose engine.py to compare")
+    p.add_argument(
+        "--baseline",
+        default=None,
+        metavar="REV|FILE",
+        help="git revision (or file) whose engine.py to compare",
+    )
     p.add_argument("--calls", type=int, default=20, help="batches per timed loop")
     p.add_argument("--repeats", type=int, default=9, help="timed loops per variant (median)")
     p.add_argument("--quick", action="store_true", help="shorter contexts (a smoke run)")
