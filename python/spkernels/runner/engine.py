@@ -285,11 +285,11 @@ class Engine:
         ids, positions, rows, seq_lens = listed[:4]
         runs = []  # [first batch row, count] of each run of consecutive listed rows
 
-        def listed_rows(first: int, count: int) -> None:
-            if runs and runs[-1][0] + runs[-1][1] == first:
+        def listed_rows(row: int, count: int) -> None:
+            if runs and runs[-1][0] + runs[-1][1] == row:
                 runs[-1][1] += count
             else:
-                runs.append([first, count])
+                runs.append([row, count])
 
         segments, samples = [], []
         take = []  # (batch row, row of the in-flight step's ids) per PENDING token
@@ -301,11 +301,11 @@ class Engine:
                 chunks.append((n, req, start, count))
                 sampled = end == len(req.prompt)
             else:
-                first = max(0, start - width + 1)
-                history = req.token_span(first, end + 1)  # and the token after the row's, if any
-                sampled = len(history) == end - first  # none: the request's last token
-                del history[end - first :]
-                tokens = history[start - first :]
+                origin = max(0, start - width + 1)  # the position of history[0]
+                history = req.token_span(origin, end + 1)  # and the token after the row's, if any
+                sampled = len(history) == end - origin  # none: the request's last token
+                del history[end - origin :]
+                tokens = history[start - origin :]
                 ids += tokens
                 positions += range(start, end)
                 rows += [req.index] * count
@@ -314,10 +314,10 @@ class Engine:
                 if pending:
                     take.append((n + count - 1, self.inflight[-1].sample_of[req.index]))
                 if num_hashes:  # a PENDING token's n-grams left open, closed on the device
-                    span = range(start - first, end - first - pending)
+                    span = range(start - origin, end - origin - pending)
                     hashed = engram.hash_ids(history, span, orders, table_size)
                     if pending:
-                        hashed.append(engram.open_hashes(history, end - 1 - first, orders))
+                        hashed.append(engram.open_hashes(history, end - 1 - origin, orders))
                     for k, column in enumerate(zip(*hashed, strict=True)):
                         listed[4 + k] += column
                 listed_rows(n, count)
@@ -331,8 +331,8 @@ class Engine:
         packed = torch.empty(
             (sample_row + (not decode), padded), dtype=torch.int64, pin_memory=self.device.type == "cuda"
         )
-        for first, req, start, count in chunks:
-            span = slice(first, first + count)
+        for row, req, start, count in chunks:
+            span = slice(row, row + count)
             packed[0, span] = req.prompt_ids[start : start + count]
             torch.arange(start, start + count, out=packed[1, span])
             packed[2, span] = req.index
@@ -351,8 +351,8 @@ class Engine:
             listed_rows(n, pad)
         if runs:
             values, done = torch.tensor(listed, dtype=torch.int64), 0
-            for first, count in runs:
-                packed[:gather_row, first : first + count] = values[:, done : done + count]
+            for row, count in runs:
+                packed[:gather_row, row : row + count] = values[:, done : done + count]
                 done += count
         if take:  # a gather over [this batch's ids, the in-flight ids]: row i, or padded + its id row
             torch.arange(padded, out=packed[gather_row])
