@@ -98,15 +98,15 @@ def _mul_mod_prime(a: torch.Tensor, b: int) -> torch.Tensor:
     return _mod_prime(2 * (a_hi * b_hi) + mid_folded + _mod_prime(a_lo * b_lo))
 
 
-def hash_windows(windows: torch.Tensor, orders: tuple[int, ...], table_size: int) -> torch.Tensor:
-    """[T, max(orders)] int64 windows (``windows``) -> [T, len(orders)] table rows: ngram_hash of
-    each order's last n tokens, for every token at once, in int64 arithmetic that gives the exact
-    value (a batch of 8192 tokens: ~0.1 ms on the host against ~100 ms one n-gram at a time)."""
-    width, out = windows.shape[1], []
+def hash_windows(rows: torch.Tensor, orders: tuple[int, ...], table_size: int) -> torch.Tensor:
+    """[T, max(orders)] int64 token windows (``windows``) -> [T, len(orders)] table rows: ngram_hash
+    of each order's last n tokens, for every token at once, in int64 arithmetic that gives the exact
+    value (an 8192-token chunk: ~1 ms on the host against ~30 ms one n-gram at a time)."""
+    width, out = rows.shape[1], []
     for n in orders:
-        h = torch.full(windows.shape[:1], n, dtype=torch.int64)
+        h = torch.full(rows.shape[:1], n, dtype=torch.int64)
         for j in range(width - n, width):
-            h = _mod_prime(_mul_mod_prime(h, _MULT) + windows[:, j] + 2)
+            h = _mod_prime(_mul_mod_prime(h, _MULT) + rows[:, j] + 2)
         out.append(h % table_size)
     return torch.stack(out, 1)
 
