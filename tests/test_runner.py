@@ -609,12 +609,10 @@ def test_build_batch_completes_pending_tokens_on_the_device(engram):
     for pending in (True, False):
         requests = [Request(i, ids[2 + 2 * i : 4 + 2 * i] * (i + 1), 4) for i in range(4)]
         for req, generated in zip(requests[:3], ([ids[10], ids[1]], [ids[11]], [ids[0]]), strict=True):
-            req.num_computed, req.generated = (
-                req.num_computed + len(req.prompt) + len(generated) - 1,
-                generated,
-            )
-            if pending and req.index != 1:
-                req.generated = req.generated[:-1] + [PENDING]
+            req.generated = generated  # decoding its last token
+            req.num_computed = len(req.prompt) + len(generated) - 1
+            if pending and req.index != 1:  # sampled by the step in flight
+                generated[-1] = PENDING
         entries = [(requests[0], 1), (requests[1], 1), (requests[2], 1), (requests[3], 5)]
         batches.append(engine.build_batch(entries, 12, decode=False)[0])
     got, want = batches
