@@ -232,6 +232,17 @@ def copy_bandwidth(bench: Bench, nbytes: int = 1 << 30) -> float:
 
 
 # ---------------------------------------------------------------- machine facts
+def host_loop_us(fn: Callable, calls: int, sync: Callable) -> float:
+    """Microseconds per call of ``calls`` back-to-back host calls of ``fn``, the device drained by
+    ``sync`` before and after: what the host spends, where the host is the bottleneck."""
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
 def machine_info(commit: str | None = None) -> dict:
     """GPU, driver, torch, CUDA, NCCL, commit and date of a run (spkernels.env.machine)."""
     from spkernels.env import machine

@@ -23,12 +23,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from common import REPO, import_spkernels, machine_info
+from common import REPO, host_loop_us, import_spkernels, machine_info
 
 # name -> (Engram, requests, context length, decode): a prefill case is one request's whole prompt
 CASES = {
@@ -79,15 +78,6 @@ def case_batch(module, config, device, engram: bool, num: int, length: int, deco
     return engine, entries, num if decode else length
 
 
-def time_loop(build, calls: int, sync) -> float:
-    sync()
-    start = time.perf_counter()
-    for _ in range(calls):
-        build()
-    sync()
-    return (time.perf_counter() - start) / calls * 1e6
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
@@ -120,11 +110,11 @@ def main() -> None:
         for label, module in variants.items():
             engine, entries, padded = case_batch(module, config, device, engram, num, length, decode, seed=0)
             builds[label] = lambda e=engine, x=entries, n=padded, d=decode: e.build_batch(x, n, d)
-            time_loop(builds[label], 2, sync)  # warm-up: pinned blocks, lazy inits
+            host_loop_us(builds[label], 2, sync)  # warm-up: pinned blocks, lazy inits
         times = {label: [] for label in builds}
         for i in range(args.repeats):  # alternate which goes first: drift hits both alike
             for label in builds if i % 2 == 0 else reversed(builds):
-                times[label].append(time_loop(builds[label], args.calls, sync))
+                times[label].append(host_loop_us(builds[label], args.calls, sync))
         row = {"case": name, "tokens": num if decode else length, "context": length}
         row.update({f"{label}_us": statistics.median(t) for label, t in times.items()})
         if "baseline_us" in row:

@@ -18,32 +18,22 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
-from common import REPO, import_spkernels, machine_info
-
-
-def time_loop(fn, calls: int, sync) -> float:
-    sync()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    sync()
-    return (time.perf_counter() - start) / calls * 1e6
+from common import REPO, host_loop_us, import_spkernels, machine_info
 
 
 def measure(cases: dict, calls: int, repeats: int, sync) -> list[dict]:
     rows = []
     for name, (wrapper, direct) in cases.items():
         for f in (wrapper, direct):  # warm-up
-            time_loop(f, max(calls // 10, 10), sync)
+            host_loop_us(f, max(calls // 10, 10), sync)
         w_us, d_us = [], []
         for i in range(repeats):  # alternate which goes first, so neither always follows the other
             order = ((wrapper, w_us), (direct, d_us)) if i % 2 == 0 else ((direct, d_us), (wrapper, w_us))
             for f, times in order:
-                times.append(time_loop(f, calls, sync))
+                times.append(host_loop_us(f, calls, sync))
         # the median of the paired differences: drift between repeats cancels within each pair
         overhead = statistics.median(w - d for w, d in zip(w_us, d_us, strict=True))
         w, d = statistics.median(w_us), statistics.median(d_us)
