@@ -100,6 +100,29 @@ def test_vllm_functions_against_vllm_math(mhc, T):
         assert torch.equal(a, b)
 
 
+def test_vllm_first_layer_and_aux_on_cuda(mhc):
+    """The first-layer forms (the embedding's copies; V4.1's broadcast fn with x) and the fused
+    delayed pre's aux on the CUDA kernels, D = 4096."""
+    T, D = 17, 4096
+    e = mhc.y(T, D).cuda()
+    p = cuda_site(mhc, D)
+    scalars = (RMS_EPS, 2e-6, 3e-3, POST_MULT, REPEAT)
+    residual, *pre = vllm.mhc_pre_broadcast(e, p.fn, p.scale, p.base, *scalars, norm_weight=p.norm_weight)
+    assert torch.equal(residual, e.unsqueeze(1).expand(T, 4, D))
+    assert_same(pre, vllm.mhc_pre(residual, p.fn, p.scale, p.base, *scalars, norm_weight=p.norm_weight))
+    fn_b = p.fn.view(-1, 4, D).sum(1)
+    got = vllm.mhc_pre_delayed(residual, fn_b, p.scale, p.base, *scalars, x=e, norm_weight=p.norm_weight)
+    full = vllm.mhc_pre_delayed(residual, p.fn, p.scale, p.base, *scalars, norm_weight=p.norm_weight)
+    for i, name in ((0, "post_mix"), (1, "comb_mix"), (3, "pre_mix")):
+        mhc.assert_mix_close(got[i], full[i], name, atol=MIX_ATOL)
+    assert torch.equal(got[2], full[2])  # stream 0 normed: the mixes do not enter it
+    x, carried = mhc.y(T, D).cuda(), mhc.pre_mix_in(T).cuda()
+    args = (x, residual, got[0], got[1], p.fn, p.scale, p.base, *scalars, carried, p.norm_weight)
+    *out, aux = vllm.mhc_fused_post_pre_delayed(*args, capture_aux=True)
+    assert_same(out, vllm.mhc_fused_post_pre_delayed(*args)[:5])
+    mhc.assert_bf16_close(aux, out[0].double().mean(1).to(torch.bfloat16), "aux")
+
+
 def test_cuda_graph_capture_through_the_functions(mhc):
     """A post_pre -> post chain captured through the functions replays to the eager results."""
     T, D = 8, 4096

@@ -7,6 +7,8 @@ built from a group coordinator.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import spkernels
 import torch
@@ -19,12 +21,13 @@ RMS_EPS, PRE_EPS, SINK_EPS, POST_MULT, REPEAT, NORM_EPS = 1e-6, 2e-6, 3e-3, 2.0,
 
 
 # ----------------------------------------------------------------------------- vLLM's math, restated
-def vllm_mixes(residual, fn, hc_scale, hc_base, rms_eps, pre_eps, sink_eps, post_mult, repeat):
-    """The three mixes of one site: pre [T, hc], post [T, hc, 1], comb [T, hc, hc] (comb[i, j] carries
-    stream i into stream j). fp64 throughout."""
-    T, hc, D = residual.shape
-    x = residual.reshape(T, hc * D).to(f64)
-    inv_rms = 1.0 / torch.sqrt((x * x).sum(-1, keepdim=True) / (hc * D) + rms_eps)
+def vllm_mixes(residual, fn, hc_scale, hc_base, rms_eps, pre_eps, sink_eps, post_mult, repeat, hc=4):
+    """The three mixes of one site from the projection input (the residual [T, hc, D], or any [T, n]
+    with fn [mix, n]): pre [T, hc], post [T, hc, 1], comb [T, hc, hc] (comb[i, j] carries stream i
+    into stream j). fp64 throughout."""
+    T = residual.shape[0]
+    x = residual.reshape(T, -1).to(f64)
+    inv_rms = 1.0 / torch.sqrt((x * x).mean(-1, keepdim=True) + rms_eps)
     mix = (x @ fn.to(f64).T) * inv_rms
     s, b = hc_scale.to(f64), hc_base.to(f64)
     pre = 1 / (1 + torch.exp(-(mix[:, :hc] * s[0] + b[:hc]))) + pre_eps
@@ -162,15 +165,108 @@ def test_mhc_fused_post_pre_delayed(mhc):
     post_in, comb_in = mhc.mixes(T)
     carried = mhc.pre_mix_in(T)
     fn, scale, base, nw = site(mhc, D)
-    new, post, comb, layer_input, pre = vllm.mhc_fused_post_pre_delayed(
-        x, residual, post_in.unsqueeze(-1), comb_in, fn, scale, base, *SCALARS, carried,
-        norm_weight=nw, norm_eps=NORM_EPS,
-    )  # fmt: skip
+    args = (x, residual, post_in.unsqueeze(-1), comb_in, fn, scale, base, *SCALARS, carried, nw, NORM_EPS)
+    new, post, comb, layer_input, pre, aux = vllm.mhc_fused_post_pre_delayed(*args)
     mhc.assert_bf16_close(new, vllm_post(x, residual, post_in.unsqueeze(-1), comb_in), "residual")
     want_pre, want_post, want_comb = vllm_mixes(new, fn, scale, base, *SCALARS)
     check_mixes(mhc, post, comb, want_post, want_comb)
     mhc.assert_mix_close(pre, want_pre, "pre_mix")
     mhc.assert_bf16_close(layer_input, vllm_collapse(new, carried, nw, NORM_EPS), "layer_input", ulps=2)
+    assert aux.shape == (0, D) and aux.dtype == bf16  # vLLM's empty aux without capture_aux
+    # capture_aux: the mean of the new residual's streams, bf16; every other output unchanged
+    *same, aux = vllm.mhc_fused_post_pre_delayed(*args, capture_aux=True)
+    for a, b in zip(same, (new, post, comb, layer_input, pre), strict=True):
+        assert torch.equal(a, b)
+    mhc.assert_bf16_close(aux, new.to(f64).mean(1).to(bf16), "aux")
+
+
+def test_mhc_pre_broadcast(mhc):
+    """V4's first layer: the embedding becomes hc copies, and the pre runs on them with the full fn
+    (fn_broadcast accepted, not needed)."""
+    T, D = 6, 64
+    e = mhc.y(T, D)
+    fn, scale, base, nw = site(mhc, D)
+    fn_b = fn.view(-1, 4, D).sum(1)
+    residual, *pre = vllm.mhc_pre_broadcast(
+        e, fn, scale, base, *SCALARS, norm_weight=nw, norm_eps=NORM_EPS, fn_broadcast=fn_b
+    )
+    assert torch.equal(residual, e.unsqueeze(1).expand(T, 4, D))
+    want = vllm.mhc_pre(residual, fn, scale, base, *SCALARS, norm_weight=nw, norm_eps=NORM_EPS)
+    for a, b in zip(pre, want, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"\bfn\b"):
+        vllm.mhc_pre_broadcast(e, fn[:, :-1], scale, base, *SCALARS)
+
+
+def test_mhc_pre_delayed_broadcast_x(mhc):
+    """V4.1's first layer: x the embedding, the residual its copies, fn the broadcast projection
+    [mix, D]: the mixes are vLLM's products of fn with x (its mean square over D), the layer input
+    stream 0 normed; the same as the full fn on the copies."""
+    T, D = 6, 64
+    e = mhc.y(T, D)
+    residual = e.unsqueeze(1).expand(T, 4, D).contiguous()
+    fn, scale, base, nw = site(mhc, D)
+    fn_b = fn.view(-1, 4, D).sum(1)
+    got = vllm.mhc_pre_delayed(residual, fn_b, scale, base, *SCALARS, x=e, norm_weight=nw, norm_eps=NORM_EPS)
+    want_pre, want_post, want_comb = vllm_mixes(e, fn_b, scale, base, *SCALARS)
+    check_mixes(mhc, got[0], got[1], want_post, want_comb)
+    mhc.assert_mix_close(got[3], want_pre, "pre_mix")
+    mhc.assert_bf16_close(got[2], vllm_collapse(residual, torch.eye(4)[0].expand(T, 4), nw, NORM_EPS), "li")
+    full = vllm.mhc_pre_delayed(residual, fn, scale, base, *SCALARS, norm_weight=nw, norm_eps=NORM_EPS)
+    mhc.assert_mix_close(got[3], full[3], "pre_mix")
+    for bad, match in (({"x": e[:-1]}, r"\bx\b"), ({"fn": fn}, r"\bfn\b")):
+        args = {"x": e, "fn": fn_b, **bad}
+        with pytest.raises(ValueError, match=match):
+            vllm.mhc_pre_delayed(residual, args["fn"], scale, base, *SCALARS, x=args["x"])
+
+
+# vLLM 0.34.0's mHC kernel functions (vllm.model_executor.kernels.mhc.tilelang): parameter names in
+# order, and the defaults of the trailing ones.
+SITE = ("fn", "hc_scale", "hc_base", "rms_eps", "hc_pre_eps", "hc_sinkhorn_eps", "hc_post_mult_value",
+        "sinkhorn_repeat")  # fmt: skip
+POST = ("x", "residual", "post_layer_mix", "comb_res_mix")
+VLLM_SIGNATURES = {
+    "mhc_pre": (("residual", *SITE), {"n_splits": 1, "norm_weight": None, "norm_eps": 1e-6}),
+    "mhc_pre_broadcast": (
+        ("residual", *SITE),
+        {"n_splits": 1, "norm_weight": None, "norm_eps": 1e-6, "fn_broadcast": None},
+    ),
+    "mhc_post": (POST, {}),
+    "mhc_fused_post_pre": (
+        (*POST, *SITE),
+        {"n_splits": 1, "tile_n": 1, "norm_weight": None, "norm_eps": 1e-6},
+    ),
+    "mhc_pre_delayed": (
+        ("residual", *SITE),
+        {"pre_mix": None, "x": None, "norm_weight": None, "norm_eps": 1e-6},
+    ),
+    "mhc_fused_post_pre_delayed": (
+        (*POST, *SITE),
+        {"pre_mix": None, "norm_weight": None, "norm_eps": 1e-6, "capture_aux": False},
+    ),
+    "hc_head": (("hidden_states", "hc_fn", "hc_scale", "hc_base", "rms_norm_eps", "hc_eps"), {}),
+}
+
+
+@pytest.mark.parametrize("name", list(VLLM_SIGNATURES))
+def test_signatures_are_vllms(name):
+    """Each local function takes vLLM's parameters in vLLM's order with its defaults, so positional
+    and keyword calls written for vLLM mean the same here."""
+    required, defaults = VLLM_SIGNATURES[name]
+    params = list(inspect.signature(getattr(vllm, name)).parameters.values())
+    assert [p.name for p in params] == [*required, *defaults]
+    assert all(p.default is inspect.Parameter.empty for p in params[: len(required)])
+    assert {p.name: p.default for p in params[len(required) :]} == defaults
+
+
+def test_post_mix_with_or_without_its_unit_dim(mhc):
+    """vLLM's fused ops take the post mix as [T, hc, 1] or [T, hc]: the same result."""
+    T, D = 5, 64
+    residual, x = mhc.stream(T, D), mhc.y(T, D)
+    post, comb = mhc.mixes(T)
+    assert torch.equal(
+        vllm.mhc_post(x, residual, post, comb), vllm.mhc_post(x, residual, post.unsqueeze(-1), comb)
+    )
 
 
 def test_sinkhorn_eps_and_pre_eps_go_where_vllm_puts_them(mhc):
@@ -203,8 +299,8 @@ def test_boundaries_tp1(mhc, group1, delayed):
     carried = mhc.pre_mix_in(T) if delayed else None
     args = (x, residual, post_in.unsqueeze(-1), comb_in, fn, scale, base, *SCALARS)
     kw = {"norm_weight": nw, "norm_eps": NORM_EPS}
-    if delayed:
-        local = vllm.mhc_fused_post_pre_delayed(*args, carried, **kw)
+    if delayed:  # the boundaries have no aux output
+        local = vllm.mhc_fused_post_pre_delayed(*args, carried, **kw)[:5]
     else:
         local = vllm.mhc_fused_post_pre(*args, **kw)
     with vllm.communicator_for_group(GroupCoordinator(group1), max_tokens=T, hidden_size=D) as comm:
@@ -281,7 +377,7 @@ def test_boundaries_tp2(mhc, delayed):
     residual, post, comb, carried = case["residual"], case["post"], case["comb"], case["carried"]
     args = (y, residual, post, comb, fn, scale, base, *SCALARS)
     if delayed:
-        boundary = vllm.mhc_fused_post_pre_delayed(*args, carried, **kw)
+        boundary = vllm.mhc_fused_post_pre_delayed(*args, carried, **kw)[:5]
         pre = vllm.mhc_pre_delayed(residual, fn, scale, base, *SCALARS, pre_mix=carried, **kw)
     else:
         boundary = vllm.mhc_fused_post_pre(*args, **kw)
@@ -376,6 +472,6 @@ def test_vllm_functions_take_no_tokens(mhc):
     assert vllm.mhc_post(x, residual, post, comb).shape == (0, 4, 64)
     assert [t.shape for t in vllm.mhc_pre(residual, *site_args, **kw)] == [(0, 4, 1), (0, 4, 4), (0, 64)]
     out = vllm.mhc_fused_post_pre_delayed(x, residual, post, comb, *site_args, pre_mix, **kw)
-    assert [t.shape for t in out] == [(0, 4, 64), (0, 4, 1), (0, 4, 4), (0, 64), (0, 4)]
+    assert [t.shape for t in out] == [(0, 4, 64), (0, 4, 1), (0, 4, 4), (0, 64), (0, 4), (0, 64)]
     fn, scale, base = mhc.head(64).values()
     assert vllm.hc_head(residual, fn, scale, base, RMS_EPS, PRE_EPS).shape == (0, 64)
