@@ -14,7 +14,7 @@ from pathlib import Path
 
 CROSSOVER_TABLE = Path(__file__).with_name("sp_crossover.json")
 # Used by ``sp_threshold="auto"`` when the table has no entry for (tp_size, hidden_size). Every
-# shape measured so far (tp = 2) crosses over at 64-256 tokens (docs/performance.md); 4096 stays the
+# shape measured so far (tp = 2) crosses over at 128-256 tokens (docs/performance.md); 4096 stays the
 # cautious guess for tp sizes not measured, where SP's extra barriers may cost more.
 DEFAULT_AUTO_THRESHOLD = 4096
 

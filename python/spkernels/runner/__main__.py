@@ -121,7 +121,7 @@ def parse_args(argv=None) -> RunOptions:
         "--max-tokens-per-step",
         type=int,
         default=8192,
-        help="token budget of a step (longer prompts are prefilled in chunks)",
+        help="token budget of a step (longer prompts are prefilled in chunks; default 8192)",
     )
     p.add_argument(
         "--capture-sizes",
@@ -217,7 +217,7 @@ def report(results: dict) -> bool:
         )
     else:
         print(
-            f"decode: {stats['decode_ms_per_step']:.3f} ms/token ({stats['decode_steps']} steps, "
+            f"decode: {stats['decode_ms_per_step']:.3f} ms/step ({stats['decode_steps']} steps, "
             f"one token per request per step{spread.get('decode_ms_per_step', '')})"
         )
     if stats["graph_steps"] and stats.get("graph_max_diff") is not None:
