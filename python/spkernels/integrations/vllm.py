@@ -117,11 +117,11 @@ def _flat(residual: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _mixes(post_layer_mix: torch.Tensor, comb_res_mix: torch.Tensor, hc: int, pre_mix=None) -> Mixes:
+def _mixes(post_layer_mix: torch.Tensor, comb_res_mix: torch.Tensor, hc: int) -> Mixes:
     """vLLM's [..., hc, 1] (or [..., hc]) post mix and [..., hc, hc] comb mix as spkernels' [T, hc],
-    [T, hc, hc]."""
+    [T, hc, hc] (a post reads no pre_mix)."""
     T = post_layer_mix.numel() // hc
-    return Mixes(post_layer_mix.reshape(T, hc), comb_res_mix.reshape(T, hc, hc), pre_mix)
+    return Mixes(post_layer_mix.reshape(T, hc), comb_res_mix.reshape(T, hc, hc), None)
 
 
 def _out_pre(res: api.PreResult, outer, hc: int, delayed: bool):
