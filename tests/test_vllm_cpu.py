@@ -401,6 +401,70 @@ def test_boundaries_tp2(mhc, delayed):
                 mhc.assert_mix_close(a, b, f"{name} {i}")
 
 
+# ----------------------------------------------------------------------------- vLLM's EP layout at tp = 2
+def _ffn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A per-token FFN stand-in (an MoE's combined output, row by row)."""
+    return torch.relu(x.float() @ w).to(torch.bfloat16)
+
+
+def _ep_sp_forward(rank: int, tp: int, case: dict) -> torch.Tensor:
+    """Two V4 layers in vLLM's sequence-parallel layout under expert parallelism, as integration.md
+    maps it: attention (a row-parallel stand-in) on all T tokens, after the pre's all-gather and
+    before the post's reduce-scatter; the FFN on this rank's shard. -> the final residual, gathered."""
+    T, D, sites, w_attn, w_ffn = case["T"], case["D"], case["sites"], case["w_attn"], case["w_ffn"]
+    kw = {"norm_weight": case["norm_weight"], "norm_eps": NORM_EPS}
+    capacity = -(-T // tp) * tp
+    with vllm.communicator_for_group(dist.group.WORLD, max_tokens=capacity, hidden_size=D) as comm:
+        residual = vllm.sp_shard(case["residual"], comm)
+        post, comb, x = vllm.sp_mhc_pre(residual, *sites[0], **kw, comm=comm)  # all T (padded) rows
+        for layer in range(2):
+            partial = (x.float() @ w_attn[layer][rank]).to(torch.bfloat16)  # this rank's share
+            residual = vllm.sp_mhc_post(partial, residual, post, comb, comm=comm)  # reduce-scatter + post
+            post, comb, x = vllm.mhc_pre(residual, *sites[2 * layer + 1], **kw)  # the FFN's, on the shard
+            residual = vllm.mhc_post(_ffn(x, w_ffn[layer]), residual, post, comb)
+            if layer == 0:  # the next attention's pre, then the all-gather of its input
+                post, comb, x = vllm.sp_mhc_pre(residual, *sites[2], **kw, comm=comm)
+        return vllm.sp_all_gather(residual, T, comm)
+
+
+def _ep_sp_reference(case: dict) -> torch.Tensor:
+    """The same two layers unsharded: the attention's partials summed (fp32, rank order), fused posts
+    and pres."""
+    sites, w_attn, w_ffn = case["sites"], case["w_attn"], case["w_ffn"]
+    kw = {"norm_weight": case["norm_weight"], "norm_eps": NORM_EPS}
+    residual = case["residual"]
+    post, comb, x = vllm.mhc_pre(residual, *sites[0], **kw)
+    for layer in range(2):
+        y = sum((x.float() @ w).to(torch.bfloat16).float() for w in w_attn[layer]).to(torch.bfloat16)
+        residual, post, comb, x = vllm.mhc_fused_post_pre(
+            y, residual, post, comb, *sites[2 * layer + 1], **kw
+        )
+        y = _ffn(x, w_ffn[layer])
+        if layer == 1:
+            return vllm.mhc_post(y, residual, post, comb)
+        residual, post, comb, x = vllm.mhc_fused_post_pre(y, residual, post, comb, *sites[2], **kw)
+
+
+@pytest.mark.parametrize("T", [5, 8])
+def test_vllm_ep_sequence_parallel_layout(mhc, T):
+    """integration.md's recipe for vLLM's SP under expert parallelism (attention on all tokens, FFN on
+    the shard) at tp = 2 gives the unsharded layers' residual (T = 5: a padded shard)."""
+    tp, D = 2, 64
+    sites = [site(mhc, D, norm=False)[:3] + SCALARS for _ in range(4)]
+    case = {
+        "T": T, "D": D, "sites": sites, "norm_weight": mhc.site(D)["norm_weight"],
+        "residual": mhc.stream(T, D),
+        "w_attn": [[mhc.randn(D, D) / (tp * D**0.5) for _ in range(tp)] for _ in range(2)],
+        "w_ffn": [mhc.randn(D, D) / D**0.5 for _ in range(2)],
+    }  # fmt: skip
+    got = run_distributed(tp, _ep_sp_forward, case)
+    assert torch.equal(got[0], got[1])
+    want = _ep_sp_reference(case)
+    # Bitwise here; the pres ran on shards in other processes (fp32 sums in an order the thread count
+    # may change): a bf16 step allowed.
+    torch.testing.assert_close(got[0].double(), want.double(), rtol=2**-7, atol=2**-7)
+
+
 def test_communicator_for_group(group1):
     with vllm.communicator_for_group(group1, max_tokens=4, hidden_size=8, tp_push=False) as comm:
         assert isinstance(comm, spkernels.Communicator) and comm.tp_size == 1 and comm.tp_push is False
