@@ -245,6 +245,19 @@ VLLM_SIGNATURES = {
         {"pre_mix": None, "norm_weight": None, "norm_eps": 1e-6, "capture_aux": False},
     ),
     "hc_head": (("hidden_states", "hc_fn", "hc_scale", "hc_base", "rms_norm_eps", "hc_eps"), {}),
+    # V4.1's boundary entry (models/deepseek_v41/nvidia/ops/mhc.py); comm is spkernels' own
+    "mhc_shifted_post_pre": (
+        (*POST, *SITE),
+        {
+            "pre_mix": None,
+            "norm_weight": None,
+            "norm_eps": 1e-6,
+            "capture_aux": False,
+            "stream": None,
+            "reduce_results": False,
+            "comm": None,
+        },
+    ),
 }
 
 
@@ -257,6 +270,29 @@ def test_signatures_are_vllms(name):
     assert [p.name for p in params] == [*required, *defaults]
     assert all(p.default is inspect.Parameter.empty for p in params[: len(required)])
     assert {p.name: p.default for p in params[len(required) :]} == defaults
+
+
+def test_mhc_shifted_post_pre(mhc, group1):
+    """V4.1's boundary entry: the fused delayed post+pre, with reduce_results the all-reduce inside
+    (at tp = 1 the identity); stream accepted; no MoE output, no reduce without a communicator."""
+    T, D = 5, 64
+    residual, x = mhc.stream(T, D), mhc.y(T, D)
+    post_in, comb_in = mhc.mixes(T)
+    fn, scale, base, nw = site(mhc, D)
+    args = (x, residual, post_in.unsqueeze(-1), comb_in, fn, scale, base, *SCALARS, mhc.pre_mix_in(T), nw)
+    want = vllm.mhc_fused_post_pre_delayed(*args, capture_aux=True)
+    with vllm.communicator_for_group(group1, max_tokens=T, hidden_size=D) as comm:
+        for kw in ({}, {"stream": object()}, {"reduce_results": True, "comm": comm}):
+            got = vllm.mhc_shifted_post_pre(*args, capture_aux=True, **kw)
+            for i, (a, b) in enumerate(zip(got, want, strict=True)):
+                assert torch.equal(a, b), f"{kw}: output {i}"
+    first = vllm.mhc_shifted_post_pre(*args[:12])  # pre_mix None: stream 0, as the local function
+    local = vllm.mhc_fused_post_pre_delayed(*args[:12])
+    assert all(torch.equal(a, b) for a, b in zip(first, local, strict=True))
+    with pytest.raises(TypeError, match=r"\bx\b"):
+        vllm.mhc_shifted_post_pre(object(), *args[1:])
+    with pytest.raises(ValueError, match="comm"):
+        vllm.mhc_shifted_post_pre(*args, reduce_results=True)
 
 
 def test_post_mix_with_or_without_its_unit_dim(mhc):
@@ -345,6 +381,9 @@ def _boundaries_tp2(rank: int, tp: int, case: dict) -> dict:
         out["tp_boundary"] = vllm.tp_mhc_fused_post_pre(
             x, residual, post_in, comb_in, *site_args, **kw, comm=comm, pre_mix=carried
         )
+        out["tp_shifted"] = vllm.mhc_shifted_post_pre(
+            x, residual, post_in, comb_in, *site_args, carried, **kw, reduce_results=True, comm=comm
+        )
         r_sh, p_sh, c_sh = shard(residual), shard(post_in), shard(comb_in)
         out["sp_post"] = gather([vllm.sp_mhc_post(x, r_sh, p_sh, c_sh, comm=comm)])[0]
         out["sp_boundary"] = gather(vllm.sp_mhc_fused_post_pre(
@@ -367,7 +406,7 @@ def test_boundaries_tp2(mhc, delayed):
         "carried": mhc.pre_mix_in(T) if delayed else None,
     }  # fmt: skip
     results = run_distributed(tp, _boundaries_tp2, case)
-    for name in ("tp_post", "tp_boundary"):  # bitwise identical on every rank
+    for name in ("tp_post", "tp_boundary", "tp_shifted"):  # bitwise identical on every rank
         for a, b in zip(results[0][name], results[1][name], strict=True):
             assert torch.equal(a, b), name
     got = results[0]
@@ -389,8 +428,12 @@ def test_boundaries_tp2(mhc, delayed):
         assert torch.equal(got[name][0].view(boundary[0].shape), boundary[0]), name
     # The pre's outputs: its fp32 products ran in other processes (other CPU thread counts), in SP
     # over a shard's rows: equal up to the last bit.
+    # The shifted entry is V4.1's boundary whatever pre_mix is (None: stream 0); its aux is empty.
+    shifted = vllm.mhc_fused_post_pre_delayed(*args, carried, **kw)
+    assert torch.equal(got["tp_shifted"][0], shifted[0]) and got["tp_shifted"][5].shape == (0, D)
     pres = (("tp_boundary", got["tp_boundary"][1:], boundary[1:]), ("sp_boundary", got["sp_boundary"][1:],
-            boundary[1:]), ("sp_pre", got["sp_pre"], pre))  # fmt: skip
+            boundary[1:]), ("sp_pre", got["sp_pre"], pre),
+            ("tp_shifted", got["tp_shifted"][1:5], shifted[1:5]))  # fmt: skip
     for name, outs, want in pres:
         assert len(outs) == len(want), name
         for i, (a, b) in enumerate(zip(outs, want, strict=True)):

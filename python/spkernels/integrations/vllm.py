@@ -15,6 +15,8 @@ them in call for call:
 ``mhc_pre_delayed``            ``(post_mix, comb_mix, layer_input, pre_mix [T, hc])`` (V4.1)
 ``mhc_fused_post_pre_delayed`` ``(residual, post_mix, comb_mix, layer_input, pre_mix, aux [T, D])``
                                (V4.1; ``aux`` has 0 rows unless ``capture_aux``)
+``mhc_shifted_post_pre``       the same; ``reduce_results=True, comm=`` all-reduces ``x`` inside
+                               (V4.1's boundary entry, ``models/deepseek_v41/nvidia/ops/mhc.py``)
 =============================  ==================================================================
 
 Names map as ``residual`` = spkernels' ``stream``, ``comb_mix`` / ``comb_res_mix`` = ``res_mix``,
@@ -254,13 +256,48 @@ def mhc_fused_post_pre_delayed(
 
     -> (residual, post_mix, comb_mix, layer_input, pre_mix of this site, aux: [0, D] unless
     ``capture_aux``)."""
+    p = _params(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
+                sinkhorn_repeat, norm_weight, norm_eps)  # fmt: skip
+    return _delayed_boundary(x, residual, post_layer_mix, comb_res_mix, p, pre_mix, capture_aux, None)
+
+
+def mhc_shifted_post_pre(
+    x, residual, post_layer_mix, comb_res_mix, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
+    hc_post_mult_value, sinkhorn_repeat, pre_mix=None, norm_weight=None, norm_eps=1e-6, capture_aux=False, *,
+    stream=None, reduce_results=False, comm: Communicator | None = None,
+):  # fmt: skip
+    """vLLM V4.1's boundary entry (its NVIDIA model's ``mhc_shifted_post_pre``):
+    ``mhc_fused_post_pre_delayed``, or with ``reduce_results`` the TP all-reduce of ``x`` (this
+    rank's partial) fused into it, which needs ``comm`` (the TP group's Communicator); the residual
+    comes out bitwise identical on every rank. ``stream`` (vLLM's side stream for the next mixes)
+    is accepted and unused: spkernels runs on the current stream. An unfinalized MoE output as
+    ``x`` is not supported.
+
+    -> (residual, post_mix, comb_mix, layer_input, pre_mix, aux), as ``mhc_fused_post_pre_delayed``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a tensor (an unfinalized MoE output is not supported), got {_got(x)}")
+    if reduce_results and comm is None:
+        raise ValueError("reduce_results=True needs comm=, the Communicator of the TP group")
+    p = _params(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
+                sinkhorn_repeat, norm_weight, norm_eps)  # fmt: skip
+    return _delayed_boundary(
+        x, residual, post_layer_mix, comb_res_mix, p, pre_mix, capture_aux, comm if reduce_results else None
+    )
+
+
+def _delayed_boundary(
+    x, residual, post_layer_mix, comb_res_mix, p: MhcParams, pre_mix, capture_aux: bool, comm
+):
+    """The V4.1 boundary: local (comm None) or all-reducing ``x`` first (TP)."""
     outer, hc, D = _check_args(residual, x, post_layer_mix, comb_res_mix, pre_mix)
     stream = _flat(residual)
     weights = _one_hot(stream) if pre_mix is None else pre_mix.reshape(stream.shape[0], hc)
-    p = _params(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
-                sinkhorn_repeat, norm_weight, norm_eps)  # fmt: skip
     mixes = _mixes(post_layer_mix, comb_res_mix, hc)
-    res = api.mhc_post_pre(x.reshape(stream.shape[0], D), stream, mixes, p, pre_mix_in=weights)
+    y = x.reshape(stream.shape[0], D)
+    if comm is None:
+        res = api.mhc_post_pre(y, stream, mixes, p, pre_mix_in=weights)
+    else:
+        res = api.tp_boundary(y, stream, mixes, p, comm, pre_mix_in=weights)
     if capture_aux:
         aux = res.stream.float().mean(dim=1).to(torch.bfloat16).view(*outer, D)
     else:
@@ -370,7 +407,7 @@ def sp_all_gather(x_local: torch.Tensor, num_tokens: int, comm: Communicator) ->
 
 __all__ = [
     "mhc_pre", "mhc_pre_broadcast", "mhc_post", "mhc_fused_post_pre", "hc_head", "mhc_pre_delayed",
-    "mhc_fused_post_pre_delayed",
+    "mhc_fused_post_pre_delayed", "mhc_shifted_post_pre",
     "communicator_for_group", "tp_mhc_post", "tp_mhc_fused_post_pre", "sp_mhc_pre", "sp_mhc_post",
     "sp_mhc_fused_post_pre", "sp_shard", "sp_all_gather",
 ]  # fmt: skip
