@@ -426,11 +426,11 @@ def test_boundaries_tp2(mhc, delayed):
     assert torch.equal(got["sp_post"], post_out.view(T, -1, D))
     for name in ("tp_boundary", "sp_boundary"):  # the new residual: a post
         assert torch.equal(got[name][0].view(boundary[0].shape), boundary[0]), name
-    # The pre's outputs: its fp32 products ran in other processes (other CPU thread counts), in SP
-    # over a shard's rows: equal up to the last bit.
     # The shifted entry is V4.1's boundary whatever pre_mix is (None: stream 0); its aux is empty.
     shifted = vllm.mhc_fused_post_pre_delayed(*args, carried, **kw)
     assert torch.equal(got["tp_shifted"][0], shifted[0]) and got["tp_shifted"][5].shape == (0, D)
+    # The pre's outputs: its fp32 products ran in other processes (other CPU thread counts), in SP
+    # over a shard's rows: equal up to the last bit.
     pres = (("tp_boundary", got["tp_boundary"][1:], boundary[1:]), ("sp_boundary", got["sp_boundary"][1:],
             boundary[1:]), ("sp_pre", got["sp_pre"], pre),
             ("tp_shifted", got["tp_shifted"][1:5], shifted[1:5]))  # fmt: skip
