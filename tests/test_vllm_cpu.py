@@ -244,6 +244,8 @@ VLLM_SIGNATURES = {
         (*POST, *SITE),
         {"pre_mix": None, "norm_weight": None, "norm_eps": 1e-6, "capture_aux": False},
     ),
+    # the names of vLLM's HCHeadOp (the TileLang function, called positionally, names them hs_flat,
+    # fn, hc_scale, hc_base, rms_eps, hc_eps)
     "hc_head": (("hidden_states", "hc_fn", "hc_scale", "hc_base", "rms_norm_eps", "hc_eps"), {}),
     # V4.1's boundary entry (models/deepseek_v41/nvidia/ops/mhc.py); comm is spkernels' own
     "mhc_shifted_post_pre": (

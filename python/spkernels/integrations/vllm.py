@@ -37,12 +37,14 @@ keyword ``comm``: a :class:`~spkernels.Communicator` built on vLLM's TP group wi
 gathers the next layer input. In SP mode ``residual`` and the mixes are this rank's token shard
 (``sp_shard`` of the [T, hc, D] residual; T padded to a multiple of tp), ``layer_input`` all T rows.
 
-One known numerical difference from vLLM: for T <= 32, vLLM's fused post+pre computes the next
-pre's ``fn · x`` and sum of squares from the unrounded fp32 new residual; spkernels computes them
-from the bf16 residual it stores (differences ~1e-3 in the mixes). spkernels follows the stored
-stream on purpose: the next site's pre then sees exactly the residual that every later op sees,
-so results do not depend on whether a post and the following pre ran fused or as two ops, nor on
-T (vLLM's own unfused post and pre, and its fused path above T = 32, read the stored residual too).
+Numerical differences from vLLM (all of them: docs/integration.md): where vLLM has DeepGEMM its
+``fn · x`` is a TF32 GEMM, spkernels' products keep fp32-grade accuracy; and for T <= 32 vLLM's
+fused post+pre computes the next pre's ``fn · x`` and sum of squares from the unrounded fp32 new
+residual, spkernels from the bf16 residual it stores (differences ~1e-3 in the mixes). spkernels
+follows the stored stream on purpose: the next site's pre then sees exactly the residual that every
+later op sees, so results do not depend on whether a post and the following pre ran fused or as two
+ops, nor on T (vLLM's own unfused post and pre, and its fused path above T = 32, read the stored
+residual too).
 """
 
 from __future__ import annotations
@@ -185,7 +187,9 @@ def mhc_fused_post_pre(
 
 
 def hc_head(hidden_states, hc_fn, hc_scale, hc_base, rms_norm_eps, hc_eps):
-    """vLLM ``hc_head``: the V4 head's learned collapse, [..., hc, D] -> [..., D] bf16."""
+    """vLLM ``hc_head``: the V4 head's learned collapse, [..., hc, D] -> [..., D] bf16. The names are
+    vLLM's ``HCHeadOp``'s; its TileLang function (``hc_head_fused_kernel_tilelang``, which the V4
+    model calls positionally) takes the same arguments in the same order."""
     outer, _, D = _shape_of(hidden_states, "hidden_states")
     stream = _flat(hidden_states)
     out = api.mhc_head(stream, MhcParams(hc_fn, hc_scale, hc_base, None, rms_norm_eps, hc_eps))
