@@ -3,6 +3,7 @@ lead to files of the repository and their runner commands are ones the runner ac
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shlex
@@ -55,6 +56,18 @@ def test_doc_links_lead_to_repository_files(doc):
     for target in re.findall(r"\]\(([^)#\s]+)", doc.read_text()):
         if "://" not in target:
             assert (doc.parent / target).exists(), f"{doc.name} links to {target}, which does not exist"
+
+
+def test_doc_python_blocks_parse():
+    """Every python block of the README and docs/ is valid Python (the snippets rot otherwise)."""
+    blocks = [
+        (doc.name, block)
+        for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+        for block in re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)
+    ]
+    assert len(blocks) >= 4, blocks  # the README's example, integration.md's three
+    for name, block in blocks:
+        ast.parse(block, filename=name)
 
 
 def test_runner_doc_commands_parse():
