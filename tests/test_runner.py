@@ -472,6 +472,54 @@ def test_overlap_matches_synchronous_steps():
     assert any(s[2] for s in results["tp2-sp-engram"]["steps"])  # Engram hashes sharded under SP
 
 
+HOST_COLLECTIVES = (
+    "barrier", "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "send",
+    "recv", "isend", "irecv",
+)  # fmt: skip
+
+
+def count_host_collectives(rank: int, world_size: int, configs: list[RunOptions]) -> list[dict]:
+    """Each run's calls of torch.distributed's host-level collectives (object collectives, barriers,
+    point-to-point), the runner's own and the Communicator's: spkernels' ops are not counted (on CPU
+    they reduce through gloo's tensor collectives)."""
+    import torch.distributed as dist
+
+    saved = {name: getattr(dist, name) for name in HOST_COLLECTIVES}
+    calls = dict.fromkeys(HOST_COLLECTIVES, 0)
+
+    def counting(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    counts = []
+    try:
+        for name, fn in saved.items():
+            setattr(dist, name, counting(name, fn))
+        for opts in configs:
+            calls.update(dict.fromkeys(HOST_COLLECTIVES, 0))
+            worker(rank, world_size, opts)
+            counts.append(dict(calls))
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+    return counts
+
+
+def test_tp2_ranks_exchange_nothing_per_step():
+    """At tp = 2 the ranks schedule, sample and build batches alike, each on its own: the runner's
+    host-level collectives (object collectives, barriers) do not grow with the number of steps,
+    with SP or without, with Engram (the tokens come through the model's own device-side ops)."""
+    layouts = ((16, "v4"), (None, "v4.1"))
+    cases = [options(tp=2, sp_threshold=s, arch=a, gen=g) for s, a in layouts for g in (2, 6)]
+    results = run_distributed(2, count_host_collectives, cases)
+    once = {**dict.fromkeys(HOST_COLLECTIVES, 0), "barrier": 1, "all_gather_object": 1}
+    for counts in results:  # the generation's one meeting, the results' gather to rank 0
+        assert counts == [once] * len(cases), counts
+
+
 def test_overlapped_steps_read_tokens_only_after_the_next_step():
     """An overlapped step reads no device value on the host (on a GPU each read would wait for every
     kernel enqueued before it): the only reads are of a step's tokens once the next step is enqueued
