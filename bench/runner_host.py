@@ -29,14 +29,17 @@ from types import SimpleNamespace
 import torch
 from common import REPO, host_loop_us, import_spkernels, machine_info
 
-# name -> (Engram, requests, context length, decode): a prefill case is one request's whole prompt
+# name -> (Engram, requests, context length, decode, in flight): a prefill case is one request's whole
+# prompt; "in flight": each decode row's token is still PENDING, sampled by the step in flight (an
+# overlapped decode's steady state: the batch gathers the ids on the device)
 CASES = {
-    "prefill 8192": (False, 1, 8192, False),
-    "decode 16 x 64": (False, 16, 64, True),
-    "decode 16 x 8192": (False, 16, 8192, True),
-    "decode 64 x 32768": (False, 64, 32768, True),
-    "Engram prefill 8192": (True, 1, 8192, False),
-    "Engram decode 16 x 64": (True, 16, 64, True),
+    "prefill 8192": (False, 1, 8192, False, False),
+    "decode 16 x 64": (False, 16, 64, True, False),
+    "decode 16 x 64 in flight": (False, 16, 64, True, True),
+    "decode 16 x 8192": (False, 16, 8192, True, False),
+    "decode 64 x 32768": (False, 64, 32768, True, False),
+    "Engram prefill 8192": (True, 1, 8192, False, False),
+    "Engram decode 16 x 64": (True, 16, 64, True, False),
 }
 QUICK = {"prefill 8192": 256, "decode 16 x 8192": 512, "decode 64 x 32768": 1024, "Engram prefill 8192": 256}
 
@@ -59,7 +62,7 @@ def baseline_engine(rev: str):
     return module
 
 
-def case_batch(module, config, device, engram: bool, num: int, length: int, decode: bool, seed: int):
+def case_batch(module, config, device, engram, num, length, decode, in_flight, seed):
     """(engine, entries, padded) of one case for ``module``'s Engine and Request."""
     model = SimpleNamespace(pad_id=config.vocab_size, trash_row=num, config=config)
     if engram:
@@ -73,7 +76,11 @@ def case_batch(module, config, device, engram: bool, num: int, length: int, deco
         for i in range(num)
     ]
     for req in requests if decode else ():
-        req.num_computed, req.generated = prompt_len, [rng.randrange(config.vocab_size)]
+        req.num_computed = prompt_len
+        req.generated = [module.PENDING if in_flight else rng.randrange(config.vocab_size)]
+    if in_flight:  # only what build_batch reads of the step in flight: its ids and their rows
+        ids = torch.arange(num, dtype=torch.int64, device=device)
+        engine.inflight = [SimpleNamespace(ids=ids, sample_of={i: i for i in range(num)})]
     entries = module.schedule(requests, num if decode else length)
     return engine, entries, num if decode else length
 
@@ -104,11 +111,13 @@ def main() -> None:
     if args.baseline:
         variants["baseline"] = baseline_engine(args.baseline)
     rows = []
-    for name, (engram, num, length, decode) in CASES.items():
+    for name, (engram, num, length, decode, in_flight) in CASES.items():
         length = QUICK.get(name, length) if args.quick else length
         builds = {}
         for label, module in variants.items():
-            engine, entries, padded = case_batch(module, config, device, engram, num, length, decode, seed=0)
+            engine, entries, padded = case_batch(
+                module, config, device, engram, num, length, decode, in_flight, seed=0
+            )
             builds[label] = lambda e=engine, x=entries, n=padded, d=decode: e.build_batch(x, n, d)
             host_loop_us(builds[label], 2, sync)  # warm-up: pinned blocks, lazy inits
         times = {label: [] for label in builds}

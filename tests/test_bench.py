@@ -344,7 +344,8 @@ def test_runner_host_against_a_baseline(tmp_path):
     doc = json.loads((tmp_path / "runner_host.json").read_text())
     assert MACHINE_KEYS <= set(doc["machine"]) and doc["config"]["baseline"] == "HEAD"
     assert [r["case"] for r in doc["rows"]][:2] == ["prefill 8192", "decode 16 x 64"]
-    assert len(doc["rows"]) == 6 and any("Engram" in r["case"] for r in doc["rows"])
+    cases = [r["case"] for r in doc["rows"]]
+    assert len(cases) == 7 and "decode 16 x 64 in flight" in cases and any("Engram" in c for c in cases)
     for r in doc["rows"]:
         assert r["current_us"] > 0 and r["baseline_us"] > 0, r
         assert r["speedup"] == pytest.approx(r["baseline_us"] / r["current_us"])

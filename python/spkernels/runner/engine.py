@@ -324,24 +324,10 @@ class Engine:
             n += count
             if sampled:
                 samples.append((req, n - 1))
-        # One pinned block, one copy to the device: rows 0-3 the per-token inputs, then the Engram
-        # hashes, the PENDING tokens' gather and the sampled rows, where the step has them.
+        # One block, one copy to the device: rows 0-3 the per-token inputs, then the Engram hashes, the
+        # PENDING tokens' gather (row i, or padded + its row of the in-flight ids) and the sampled rows,
+        # where the step has them.
         gather_row = 4 + num_hashes
-        sample_row = gather_row + bool(take)
-        packed = torch.empty(
-            (sample_row + (not decode), padded), dtype=torch.int64, pin_memory=self.device.type == "cuda"
-        )
-        for row, req, start, count in chunks:
-            span = slice(row, row + count)
-            packed[0, span] = req.prompt_ids[start : start + count]
-            torch.arange(start, start + count, out=packed[1, span])
-            packed[2, span] = req.index
-            torch.arange(start + 1, start + count + 1, out=packed[3, span])
-            if num_hashes:
-                history = req.prompt_ids[max(0, start - width + 1) : start + count]
-                packed[4:gather_row, span] = engram.hash_windows(
-                    engram.windows(history, start, width), orders, table_size
-                ).t()
         pad = padded - n
         if pad:  # pad rows (hashing to the tables' zero row): listed after the rest
             for values, value in zip(
@@ -349,17 +335,43 @@ class Engine:
             ):
                 values += [value] * pad
             listed_rows(n, pad)
-        if runs:
-            values, done = torch.tensor(listed, dtype=torch.int64), 0
-            for row, count in runs:
-                packed[:gather_row, row : row + count] = values[:, done : done + count]
-                done += count
-        if take:  # a gather over [this batch's ids, the in-flight ids]: row i, or padded + its id row
-            torch.arange(padded, out=packed[gather_row])
-            at, sources = torch.tensor([(row, padded + j) for row, j in take]).t()
-            packed[gather_row, at] = sources
-        if not decode:
-            packed[sample_row, : len(samples)] = torch.tensor([row for _, row in samples])
+        if not chunks:  # decode rows only, a few per request: the block from lists in one host op
+            if take:
+                source = list(range(padded))
+                for row, j in take:
+                    source[row] = padded + j
+                listed.append(source)
+            if not decode:
+                listed.append([row for _, row in samples] + [0] * (padded - len(samples)))
+            packed = torch.tensor(listed, dtype=torch.int64)
+        else:  # prompt chunks written as ranges into a pinned block, the listed rows copied run by run
+            packed = torch.empty(
+                (gather_row + bool(take) + (not decode), padded),
+                dtype=torch.int64,
+                pin_memory=self.device.type == "cuda",
+            )
+            for row, req, start, count in chunks:
+                span = slice(row, row + count)
+                packed[0, span] = req.prompt_ids[start : start + count]
+                torch.arange(start, start + count, out=packed[1, span])
+                packed[2, span] = req.index
+                torch.arange(start + 1, start + count + 1, out=packed[3, span])
+                if num_hashes:
+                    history = req.prompt_ids[max(0, start - width + 1) : start + count]
+                    packed[4:gather_row, span] = engram.hash_windows(
+                        engram.windows(history, start, width), orders, table_size
+                    ).t()
+            if runs:
+                values, done = torch.tensor(listed, dtype=torch.int64), 0
+                for row, count in runs:
+                    packed[:gather_row, row : row + count] = values[:, done : done + count]
+                    done += count
+            if take:
+                torch.arange(padded, out=packed[gather_row])
+                at, sources = torch.tensor([(row, padded + j) for row, j in take]).t()
+                packed[gather_row, at] = sources
+            if not decode:
+                packed[-1, : len(samples)] = torch.tensor([row for _, row in samples])
         on_device = self._to_device(packed)
         input_ids, positions_t, rows_t, seq_lens_t = on_device[:4].unbind(0)
         hash_ids = on_device[4:gather_row].t() if num_hashes else None
@@ -376,7 +388,7 @@ class Engine:
             seq_lens=seq_lens_t,
             num_tokens=n,
             segments=None if decode else segments,
-            sample_idx=None if decode else on_device[sample_row, : len(samples)],
+            sample_idx=None if decode else on_device[-1, : len(samples)],
             hash_ids=hash_ids.contiguous() if num_hashes else None,
         )
         return batch, samples
