@@ -29,8 +29,8 @@ from types import SimpleNamespace
 import torch
 from common import REPO, host_loop_us, import_spkernels, machine_info
 
-# name -> (Engram, requests, context length, decode, in flight): a prefill case is one request's whole
-# prompt; "in flight": each decode row's token is still PENDING, sampled by the step in flight (an
+# name -> (Engram, requests, context length, decode, in flight): a prefill case is its requests' whole
+# prompts; "in flight": each decode row's token is still PENDING, sampled by the step in flight (an
 # overlapped decode's steady state: the batch gathers the ids on the device)
 CASES = {
     "prefill 8192": (False, 1, 8192, False, False),
@@ -39,6 +39,7 @@ CASES = {
     "decode 16 x 8192": (False, 16, 8192, True, False),
     "decode 64 x 32768": (False, 64, 32768, True, False),
     "Engram prefill 8192": (True, 1, 8192, False, False),
+    "Engram prefill 16 x 64": (True, 16, 64, False, False),
     "Engram decode 16 x 64": (True, 16, 64, True, False),
 }
 QUICK = {"prefill 8192": 256, "decode 16 x 8192": 512, "decode 64 x 32768": 1024, "Engram prefill 8192": 256}
@@ -81,8 +82,8 @@ def case_batch(module, config, device, engram, num, length, decode, in_flight, s
     if in_flight:  # only what build_batch reads of the step in flight: its ids and their rows
         ids = torch.arange(num, dtype=torch.int64, device=device)
         engine.inflight = [SimpleNamespace(ids=ids, sample_of={i: i for i in range(num)})]
-    entries = module.schedule(requests, num if decode else length)
-    return engine, entries, num if decode else length
+    tokens = num if decode else num * length
+    return engine, module.schedule(requests, tokens), tokens
 
 
 def main() -> None:
@@ -124,7 +125,7 @@ def main() -> None:
         for i in range(args.repeats):  # alternate which goes first: drift hits both alike
             for label in builds if i % 2 == 0 else reversed(builds):
                 times[label].append(host_loop_us(builds[label], args.calls, sync))
-        row = {"case": name, "tokens": num if decode else length, "context": length}
+        row = {"case": name, "tokens": num if decode else num * length, "context": length}
         row.update({f"{label}_us": statistics.median(t) for label, t in times.items()})
         if "baseline_us" in row:
             row["speedup"] = row["baseline_us"] / row["current_us"]

@@ -345,7 +345,7 @@ def test_runner_host_against_a_baseline(tmp_path):
     assert MACHINE_KEYS <= set(doc["machine"]) and doc["config"]["baseline"] == "HEAD"
     assert [r["case"] for r in doc["rows"]][:2] == ["prefill 8192", "decode 16 x 64"]
     cases = [r["case"] for r in doc["rows"]]
-    assert len(cases) == 7 and "decode 16 x 64 in flight" in cases and any("Engram" in c for c in cases)
+    assert len(cases) == 8 and "decode 16 x 64 in flight" in cases and "Engram prefill 16 x 64" in cases
     for r in doc["rows"]:
         assert r["current_us"] > 0 and r["baseline_us"] > 0, r
         assert r["speedup"] == pytest.approx(r["baseline_us"] / r["current_us"])

@@ -640,6 +640,11 @@ def test_build_batch_matches_token_by_token_inputs(engram):
     assert decode.segments is None and decode.sample_idx is None
     assert decode.input_ids.tolist() == [11, 13, model.pad_id, model.pad_id]
     assert decode.positions.tolist() == [5, 8, 0, 0] and decode.seq_lens.tolist() == [6, 9, 1, 1]
+    # decode rows only outside a graph (no prompt chunk: the block built from lists): the rows to sample
+    eager, _ = engine.build_batch(entries[1:3], 4, decode=False)
+    assert eager.input_ids.tolist() == decode.input_ids.tolist() and eager.sample_idx.tolist() == [0, 1]
+    if engram:
+        assert eager.hash_ids.tolist() == hashes[4:6] + pad[:2]
 
 
 @pytest.mark.parametrize("engram", [False, True])

@@ -356,11 +356,16 @@ class Engine:
                 torch.arange(start, start + count, out=packed[1, span])
                 packed[2, span] = req.index
                 torch.arange(start + 1, start + count + 1, out=packed[3, span])
-                if num_hashes:
-                    history = req.prompt_ids[max(0, start - width + 1) : start + count]
-                    packed[4:gather_row, span] = engram.hash_windows(
-                        engram.windows(history, start, width), orders, table_size
-                    ).t()
+            if num_hashes:  # every chunk's n-gram windows hashed in one go (a few dozen ops per call)
+                grams = [
+                    engram.windows(req.prompt_ids[max(0, start - width + 1) : start + count], start, width)
+                    for _, req, start, count in chunks
+                ]
+                hashed = engram.hash_windows(torch.cat(grams), orders, table_size).t()
+                done = 0
+                for row, _, _, count in chunks:
+                    packed[4:gather_row, row : row + count] = hashed[:, done : done + count]
+                    done += count
             if runs:
                 values, done = torch.tensor(listed, dtype=torch.int64), 0
                 for row, count in runs:
