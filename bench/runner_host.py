@@ -125,7 +125,7 @@ def main() -> None:
         for i in range(args.repeats):  # alternate which goes first: drift hits both alike
             for label in builds if i % 2 == 0 else reversed(builds):
                 times[label].append(host_loop_us(builds[label], args.calls, sync))
-        row = {"case": name, "tokens": num if decode else num * length, "context": length}
+        row = {"case": name, "tokens": padded, "context": length}
         row.update({f"{label}_us": statistics.median(t) for label, t in times.items()})
         if "baseline_us" in row:
             row["speedup"] = row["baseline_us"] / row["current_us"]

@@ -246,16 +246,17 @@ class Engine:
         self._clock = 0.0  # overlap: when the last completed step completed
 
     # ------------------------------------------------------------------ batches
+    # From pageable memory a CUDA copy waits for the stream to drain, i.e. for every forward already
+    # enqueued; from pinned memory it is queued like a kernel, so the host goes on building the next
+    # microbatch while the GPU runs this one: host inputs are made pinned.
+    def _host(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+
     def _tensor(self, values):
-        return self._to_device(torch.tensor(values, dtype=torch.int64))
+        return self._to_device(self._host(values))
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        # From pageable memory a CUDA copy waits for the stream to drain, i.e. for every forward already
-        # enqueued; from pinned memory it is queued like a kernel, so the host goes on building the next
-        # microbatch while the GPU runs this one.
-        if self.device.type != "cuda":
-            return t
-        return (t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True)
+        return t.to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     def _pad_batch(self, padded: int) -> Batch:
         """A pure-pad decode batch: the static inputs of a graph before the first replay."""
@@ -343,7 +344,7 @@ class Engine:
                 listed.append(source)
             if not decode:
                 listed.append([row for _, row in samples] + [0] * (padded - len(samples)))
-            packed = torch.tensor(listed, dtype=torch.int64)
+            packed = self._host(listed)
         else:  # prompt chunks written as ranges into a pinned block, the listed rows copied run by run
             packed = torch.empty(
                 (gather_row + bool(take) + (not decode), padded),
@@ -356,21 +357,23 @@ class Engine:
                 torch.arange(start, start + count, out=packed[1, span])
                 packed[2, span] = req.index
                 torch.arange(start + 1, start + count + 1, out=packed[3, span])
+
+            def put(rows: slice, values: torch.Tensor, spans) -> None:
+                """values' columns, in order, into the batch rows [row, row + count) of each span."""
+                done = 0
+                for row, count in spans:
+                    packed[rows, row : row + count] = values[:, done : done + count]
+                    done += count
+
             if num_hashes:  # every chunk's n-gram windows hashed in one go (a few dozen ops per call)
                 grams = [
                     engram.windows(req.prompt_ids[max(0, start - width + 1) : start + count], start, width)
                     for _, req, start, count in chunks
                 ]
                 hashed = engram.hash_windows(torch.cat(grams), orders, table_size).t()
-                done = 0
-                for row, _, _, count in chunks:
-                    packed[4:gather_row, row : row + count] = hashed[:, done : done + count]
-                    done += count
+                put(slice(4, gather_row), hashed, [(row, count) for row, _, _, count in chunks])
             if runs:
-                values, done = torch.tensor(listed, dtype=torch.int64), 0
-                for row, count in runs:
-                    packed[:gather_row, row : row + count] = values[:, done : done + count]
-                    done += count
+                put(slice(0, gather_row), torch.tensor(listed, dtype=torch.int64), runs)
             if take:
                 torch.arange(padded, out=packed[gather_row])
                 at, sources = torch.tensor([(row, padded + j) for row, j in take]).t()
