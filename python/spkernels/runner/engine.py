@@ -99,9 +99,11 @@ class Request:
         last few tokens, and a long context's history is a long list to copy every step."""
         out = []
         for part in self._parts():
-            if start < len(part) and end > 0:
-                out += part[max(start, 0) : end]
-            start, end = start - len(part), end - len(part)
+            n = len(part)
+            if start < n and end > 0:
+                out += part[start if start > 0 else 0 : end]
+            start -= n
+            end -= n
         return out
 
     @property
@@ -284,14 +286,7 @@ class Engine:
         # the other rows' inputs, one by one: ids, positions, cache rows, context lengths, hashes
         listed = [[] for _ in range(4 + num_hashes)]
         ids, positions, rows, seq_lens = listed[:4]
-        runs = []  # [first batch row, count] of each run of consecutive listed rows
-
-        def listed_rows(row: int, count: int) -> None:
-            if runs and runs[-1][0] + runs[-1][1] == row:
-                runs[-1][1] += count
-            else:
-                runs.append([row, count])
-
+        spans = []  # (first batch row, count) of each request's listed rows
         segments, samples = [], []
         take = []  # (batch row, row of the in-flight step's ids) per PENDING token
         n = 0
@@ -321,7 +316,7 @@ class Engine:
                         hashed.append(engram.open_hashes(history, end - 1 - origin, orders))
                     for k, column in enumerate(zip(*hashed, strict=True)):
                         listed[4 + k] += column
-                listed_rows(n, count)
+                spans.append((n, count))
             n += count
             if sampled:
                 samples.append((req, n - 1))
@@ -335,7 +330,7 @@ class Engine:
                 listed, [m.pad_id, 0, m.trash_row, 1] + [table_size] * num_hashes, strict=True
             ):
                 values += [value] * pad
-            listed_rows(n, pad)
+            spans.append((n, pad))
         if not chunks:  # decode rows only, a few per request: the block from lists in one host op
             if take:
                 source = list(range(padded))
@@ -372,7 +367,14 @@ class Engine:
                 ]
                 hashed = engram.hash_windows(torch.cat(grams), orders, table_size).t()
                 put(slice(4, gather_row), hashed, [(row, count) for row, _, _, count in chunks])
-            if runs:
+            if spans:  # as runs of consecutive rows
+                runs = spans[:1]
+                for row, count in spans[1:]:
+                    last_row, last_count = runs[-1]
+                    if last_row + last_count == row:
+                        runs[-1] = (last_row, last_count + count)
+                    else:
+                        runs.append((row, count))
                 put(slice(0, gather_row), torch.tensor(listed, dtype=torch.int64), runs)
             if take:
                 torch.arange(padded, out=packed[gather_row])
