@@ -336,16 +336,65 @@ def step_op_counts(prompt_lens) -> list[dict[str, int]]:
 def test_model_glue_op_count():
     """The model's glue (ops outside GEMM, attention and mHC) per step stays small: rotary tables
     once per forward, q and k roped together in place, K and V in one indexed write, equal fresh
-    prompts in one attention call. Before: 81 glue ops in a prefill step, 84 in a decode step."""
-    # (prompt lengths, glue bound of the prefill step, attention calls per layer: one per request,
-    # equal fresh prompts together)
-    for prompt_lens, glue_bound, calls in (((40,), 36, 1), ((6, 6), 36, 1), ((7, 5, 3), 44, 3)):
+    prompts in one attention call, short ones too (padded). Before: 81 glue ops in a prefill step,
+    84 in a decode step; short prompts of different lengths took an attention call each."""
+    # (prompt lengths, glue bound of the prefill step, attention calls per layer)
+    for prompt_lens, glue_bound, calls in (((40,), 36, 1), ((6, 6), 36, 1), ((7, 5, 3), 44, 1)):
         prefill, decode = step_op_counts(prompt_lens)
         for kind, counts, bound in (("prefill", prefill, glue_bound), ("decode", decode, 43)):
             glue = {n: c for n, c in counts.items() if profile_mod.category(n) == "other"}
             assert sum(glue.values()) <= bound, (prompt_lens, kind, glue)
             assert "aten::cat" not in glue and glue.get("aten::cos") == 1, glue
         assert prefill["aten::scaled_dot_product_attention"] == 2 * calls, prefill
+
+
+def test_prefill_attention_groups_match_one_call_per_request():
+    """Fresh prompts of up to PAD_GROUP_MAX tokens on consecutive cache rows share one causal call,
+    each padded to that length; longer ones share a call only with prompts of their own length; a
+    later chunk and a decode token get a call each. The output equals one masked call per request
+    over its own keys, whatever the cache holds beyond them (stale keys and values here), and pad
+    rows are zero."""
+    from spkernels.runner import model as model_mod
+
+    config = preset("tiny")
+    model = Model(config, random_weights(config, 0, torch.device("cpu")), "cpu", None, 9, 600)
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = (torch.randn(model.kv_cache[0, i].shape, generator=gen).bfloat16() for i in range(2))
+    # (cache row, start, count): 4 fresh of 3 lengths, a chunk, a decode token, 2 equal fresh, pads
+    requests = [(0, 0, 5), (1, 0, 9), (2, 0, 9), (3, 0, 3), (4, 6, 4), (5, 10, 1), (6, 0, 4), (7, 0, 4)]
+    segments, rows, positions, first = [], [], [], 0
+    for row, start, count in requests:
+        segments.append((row, first, start, count))
+        rows += [row] * count
+        positions += range(start, start + count)
+        first += count
+    T = first + 3
+    rows += [model.trash_row] * 3
+    positions += [0] * 3
+    as_t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    batch = model_mod.Batch(as_t([0] * T), as_t(positions), as_t(rows), as_t([1] * T), first, segments, None)
+    groups = model._prefill_groups(batch)
+    short = model_mod.PAD_GROUP_MAX
+    assert [(g[0], g[4], g[5], g[6] is None) for g in groups] == [
+        (0, 4, short, False), (4, 1, 4, True), (5, 1, 1, True), (6, 2, short, False)
+    ]  # fmt: skip
+    q = torch.randn((T, model.local_heads, config.head_dim), generator=gen).bfloat16()
+    out = model._prefill_attention(q, k_cache, v_cache, batch, groups)
+    for row, first, start, count in segments:
+        end = start + count
+        mask = torch.arange(end) <= torch.arange(start, end)[:, None]
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[first : first + count].float().transpose(0, 1), k_cache[row, :, :end].float(),
+            v_cache[row, :, :end].float(), attn_mask=mask,
+        ).transpose(0, 1)  # fmt: skip
+        torch.testing.assert_close(out[first : first + count].float(), want, atol=2e-2, rtol=2e-2)
+    assert out[batch.num_tokens :].eq(0).all()
+    # different lengths past PAD_GROUP_MAX stay apart; equal ones of any length go together
+    long = short + 1
+    for lengths, calls in (((long, long - 1), 2), ((long, long), 1), ((long - 1, 3), 1)):
+        segs = [(i, sum(lengths[:i]), 0, n) for i, n in enumerate(lengths)]
+        batch = model_mod.Batch(*(as_t([0] * sum(lengths)),) * 4, sum(lengths), segs, None)
+        assert len(model._prefill_groups(batch)) == calls, lengths
 
 
 @pytest.mark.parametrize(

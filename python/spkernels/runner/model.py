@@ -25,6 +25,9 @@ from . import engram, glue, moe, pipeline
 from .config import ModelConfig
 from .weights import shard
 
+# Fresh prompts of up to this many tokens are padded to it and share one attention call (_prefill_groups).
+PAD_GROUP_MAX = 256
+
 
 @dataclass
 class Batch:
@@ -133,11 +136,13 @@ class Model:
         has not seen): the rotary cos/sin [T, 1, 1, hd/2] fp32 and, on the decode path, the [T, S]
         visibility mask. Recomputed at the first layer of every forward, never carried over from
         the last one: a captured graph must record it, so that a replay recomputes it from the
-        static batch's new positions."""
+        static batch's new positions. On the prefill path: the attention calls (_prefill_groups)."""
         if index == 0 or self._forward_tables[0] is not batch:
             freqs = batch.positions.float()[:, None, None, None] * self.inv_freq
             tables = {"cos": freqs.cos(), "sin": freqs.sin()}
-            if batch.segments is None:  # [T or cache rows, 1, 1, S] (_decode_attention)
+            if batch.segments is not None:
+                tables["groups"] = self._prefill_groups(batch)
+            else:  # [T or cache rows, 1, 1, S] (_decode_attention)
                 visible = self.key_positions < batch.seq_lens[:, None]
                 if self._attend_in_place(batch):
                     rows = self.kv_cache.shape[2]
@@ -161,7 +166,7 @@ class Model:
         if batch.segments is None:
             out = self._decode_attention(q, k_cache, v_cache, batch, tables["visible"])
         else:
-            out = self._prefill_attention(q, k_cache, v_cache, batch)
+            out = self._prefill_attention(q, k_cache, v_cache, batch, tables["groups"])
         return self._row_parallel(out.reshape(T, heads * hd), layer["wo"])
 
     def _attend_in_place(self, batch: Batch) -> bool:
@@ -185,39 +190,66 @@ class Model:
         out = F.scaled_dot_product_attention(query, k_cache, v_cache, attn_mask=visible)
         return out[batch.rows].squeeze(2)
 
-    def _prefill_attention(self, q, k_cache, v_cache, batch):
-        """Causal attention per request. Consecutive fresh prompts of equal length on consecutive
-        cache rows go as one batched call (their queries and cache rows are already views of one
-        block); one call that covers every row returns its output without a copy."""
-        T = q.shape[0]
-        runs = []  # [row, first, start, count, n]: n requests of one length from (row, first)
+    def _prefill_groups(self, batch: Batch) -> list[tuple]:
+        """The attention calls of a prefill batch, (row, first, start, total, n, length, dest) each: n
+        requests from cache row ``row`` and batch row ``first``, ``total`` tokens, each request's
+        queries and keys ``length`` long. A fresh prompt of at most PAD_GROUP_MAX tokens is padded to
+        that length (its query i at row i of a padded block: ``dest``, computed on the device once per
+        forward); consecutive fresh prompts on consecutive cache rows of one such length share one
+        causal call. A short prompt's attention costs its launches, not its arithmetic, and the fixed
+        length keeps each request's arithmetic the same whichever requests share its call (results
+        do not depend on the batch). Pad queries see stale keys; their outputs are dropped. Later
+        chunks and decode tokens: one call each."""
+        short = min(PAD_GROUP_MAX, self.max_seq_len)
+        groups = []  # [row, first, start, total, n, length, exact]
         for row, first, start, count in batch.segments:
-            last = runs[-1] if runs else None
+            length = short if start == 0 and count <= short else count
+            g = groups[-1] if groups else None
             if (
-                last is not None and start == 0 and last[2] == 0 and last[3] == count
-                and last[0] + last[4] == row and last[1] + last[4] * count == first
+                g is not None and start == 0 and g[2] == 0 and g[5] == length
+                and g[0] + g[4] == row and g[1] + g[3] == first
             ):  # fmt: skip
-                last[4] += 1
+                g[3], g[4], g[6] = g[3] + count, g[4] + 1, g[6] and count == length
             else:
-                runs.append([row, first, start, count, 1])
+                groups.append([row, first, start, count, 1, length, count == length])
+        out = []
+        for row, first, start, total, n, length, exact in groups:
+            dest = None
+            if not exact:
+                span = slice(first, first + total)
+                dest = (batch.rows[span] - row) * length + batch.positions[span]
+            out.append((row, first, start, total, n, length, dest))
+        return out
+
+    def _prefill_attention(self, q, k_cache, v_cache, batch, groups):
+        """Causal attention per request, or per group of fresh prompts (_prefill_groups); one call
+        that covers every row returns its output without a copy."""
+        T = q.shape[0]
         out = None
-        for row, first, start, count, n in runs:
-            end = start + count
+        for row, first, start, total, n, length, dest in groups:
+            end = start + length
+            if dest is None:
+                query = q[first : first + total]
+            else:  # into a padded block: row i * length + position per query
+                query = q.new_empty((n * length, *q.shape[1:]))
+                query[dest] = q[first : first + total]
             # 4-D [n, heads, len, hd]: what the fused (flash / memory-efficient) SDPA kernels take
-            query = q[first : first + n * count].view(n, count, *q.shape[1:]).transpose(1, 2)
+            query = query.view(n, length, *q.shape[1:]).transpose(1, 2)
             keys, values = k_cache[row : row + n, :, :end], v_cache[row : row + n, :, :end]
             if start == 0:
                 res = F.scaled_dot_product_attention(query, keys, values, is_causal=True)
             else:  # a later chunk or a decode token: causal with the cached prefix in front
-                mask = self.key_positions[:end] <= (start + self.key_positions[:count])[:, None]
+                mask = self.key_positions[:end] <= (start + self.key_positions[:length])[:, None]
                 res = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
-            res = res.transpose(1, 2).reshape(n * count, *q.shape[1:])
-            if n * count == T:  # one call covered every row: no pad rows, nothing to place
+            res = res.transpose(1, 2).reshape(n * length, *q.shape[1:])
+            if dest is not None:
+                res = res[dest]
+            if total == T:  # one call covered every row: no pad rows, nothing to place
                 return res
             if out is None:
                 out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
                 out[batch.num_tokens :].zero_()  # pad rows attend to nothing
-            out[first : first + n * count] = res
+            out[first : first + total] = res
         return out
 
     def ffn(self, index: int, layer_input: torch.Tensor) -> torch.Tensor:
