@@ -34,6 +34,7 @@ from common import REPO, host_loop_us, import_spkernels, machine_info
 # overlapped decode's steady state: the batch gathers the ids on the device)
 CASES = {
     "prefill 8192": (False, 1, 8192, False, False),
+    "prefill 16 x 64": (False, 16, 64, False, False),
     "decode 16 x 64": (False, 16, 64, True, False),
     "decode 16 x 64 in flight": (False, 16, 64, True, True),
     "decode 16 x 8192": (False, 16, 8192, True, False),
