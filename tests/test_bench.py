@@ -343,9 +343,9 @@ def test_runner_host_against_a_baseline(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
     doc = json.loads((tmp_path / "runner_host.json").read_text())
     assert MACHINE_KEYS <= set(doc["machine"]) and doc["config"]["baseline"] == "HEAD"
-    assert [r["case"] for r in doc["rows"]][:2] == ["prefill 8192", "decode 16 x 64"]
+    assert [r["case"] for r in doc["rows"]][:3] == ["prefill 8192", "prefill 16 x 64", "decode 16 x 64"]
     cases = [r["case"] for r in doc["rows"]]
-    assert len(cases) == 8 and "decode 16 x 64 in flight" in cases and "Engram prefill 16 x 64" in cases
+    assert len(cases) == 9 and "decode 16 x 64 in flight" in cases and "Engram prefill 16 x 64" in cases
     for r in doc["rows"]:
         assert r["current_us"] > 0 and r["baseline_us"] > 0, r
         assert r["speedup"] == pytest.approx(r["baseline_us"] / r["current_us"])
