@@ -354,9 +354,17 @@ class Engine:
                 torch.arange(start + 1, start + count + 1, out=packed[3, span])
 
             def put(rows: slice, values: torch.Tensor, spans) -> None:
-                """values' columns, in order, into the batch rows [row, row + count) of each span."""
+                """values' columns, in order, into the batch rows [row, row + count) of each span,
+                consecutive spans copied as one."""
+                runs = spans[:1]
+                for row, count in spans[1:]:
+                    last_row, last_count = runs[-1]
+                    if last_row + last_count == row:
+                        runs[-1] = (last_row, last_count + count)
+                    else:
+                        runs.append((row, count))
                 done = 0
-                for row, count in spans:
+                for row, count in runs:
                     packed[rows, row : row + count] = values[:, done : done + count]
                     done += count
 
@@ -367,15 +375,8 @@ class Engine:
                 ]
                 hashed = engram.hash_windows(torch.cat(grams), orders, table_size).t()
                 put(slice(4, gather_row), hashed, [(row, count) for row, _, _, count in chunks])
-            if spans:  # as runs of consecutive rows
-                runs = spans[:1]
-                for row, count in spans[1:]:
-                    last_row, last_count = runs[-1]
-                    if last_row + last_count == row:
-                        runs[-1] = (last_row, last_count + count)
-                    else:
-                        runs.append((row, count))
-                put(slice(0, gather_row), torch.tensor(listed, dtype=torch.int64), runs)
+            if spans:
+                put(slice(0, gather_row), torch.tensor(listed, dtype=torch.int64), spans)
             if take:
                 torch.arange(padded, out=packed[gather_row])
                 at, sources = torch.tensor([(row, padded + j) for row, j in take]).t()
