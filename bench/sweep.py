@@ -85,7 +85,7 @@ def worker(args) -> None:
             params[D] = cases.make_params(D, device)
         _run_shape(args, suite, suite_ops[suite], T, D, tp, bench, group, comm, params[D], modes, records)
         progress.step(f"{suite} T={T} D={D} tp={tp}")
-        if rank == 0:  # keep what is measured if the run is cut short (the GPU lease has a hard limit)
+        if rank == 0:  # keep what is measured if the run is cut short
             _save(args, records, floors, time.time() - t_start)
 
     if args.cuda:  # compile each reference once per D, before anything is timed
