@@ -89,7 +89,11 @@ def parse_args(argv=None):
     p.add_argument("--nprocs", type=int, default=None, help="processes (default: GPU count; 2 on CPU)")
     p.add_argument("--out", default=str(REPO / "bench" / "results"), help="output directory")
     p.add_argument("--name", default=None, help="output file stem (default from the mode)")
-    p.add_argument("--commit", default=None, help="commit to record (default: SPK_COMMIT, else git HEAD, -dirty if modified)")
+    p.add_argument(
+        "--commit",
+        default=None,
+        help="commit to record (default: SPK_COMMIT, else git HEAD, -dirty if modified)",
+    )
     p.add_argument(
         "--print",
         dest="print_rows",

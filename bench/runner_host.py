@@ -3,9 +3,10 @@
 The host builds each step's batch while the GPU runs the step before; what nothing in flight hides
 (a generation's first step) adds to the step's wall time. Each case builds one batch of synthetic
 requests: an 8192-token prompt chunk, decode rows of short and of long contexts, with and without
-Engram. ``--baseline REV`` loads REV's ``runner/engine.py`` (or an engine.py file; with this tree's
-other modules) beside this tree's and interleaves the two loop by loop, so the comparison is a
-same-run A/B. On cuda the batch goes through pinned memory to the device, as in a run.
+Engram. ``--baseline REV`` loads REV's ``runner/engine.py`` (``REV=FILE``: REV's engine.py copied to
+FILE, where the checkout has no git history; with this tree's other modules) beside this tree's and
+interleaves the two loop by loop, so the comparison is a same-run A/B. On cuda the batch goes
+through pinned memory to the device, as in a run.
 
     python bench/runner_host.py --device cpu --baseline 54a3f7d
     python bench/runner_host.py --device cuda --baseline 54a3f7d --out DIR
@@ -46,11 +47,12 @@ CASES = {
 QUICK = {"prefill 8192": 256, "decode 16 x 8192": 512, "decode 64 x 32768": 1024, "Engram prefill 8192": 256}
 
 
-def baseline_engine(rev: str):
-    """REV's runner/engine.py (or the engine.py at path REV, where there is no git history) as a
-    module of spkernels.runner: its relative imports are this tree's."""
-    path = Path(rev)
-    if not path.is_file():
+def baseline_engine(baseline: str):
+    """(REV, module): REV's runner/engine.py (``REV=FILE``: read from FILE) as a module of
+    spkernels.runner: its relative imports are this tree's."""
+    rev, _, file = baseline.partition("=")
+    path = Path(file)
+    if not file:
         source = subprocess.run(
             ["git", "show", f"{rev}:python/spkernels/runner/engine.py"],
             cwd=REPO, capture_output=True, text=True, check=True,
@@ -61,7 +63,7 @@ def baseline_engine(rev: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    return module
+    return rev, module
 
 
 def case_batch(module, config, device, engram, num, length, decode, in_flight, seed):
@@ -93,8 +95,8 @@ def main() -> None:
     p.add_argument(
         "--baseline",
         default=None,
-        metavar="REV|FILE",
-        help="git revision (or file) whose engine.py to compare",
+        metavar="REV[=FILE]",
+        help="git revision whose engine.py to compare (=FILE: that engine.py, copied to FILE)",
     )
     p.add_argument("--calls", type=int, default=20, help="batches per timed loop")
     p.add_argument("--repeats", type=int, default=9, help="timed loops per variant (median)")
@@ -110,8 +112,9 @@ def main() -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     config = preset("tiny").replace(vocab_size=32768)
     variants = {"current": current}
+    baseline = None
     if args.baseline:
-        variants["baseline"] = baseline_engine(args.baseline)
+        baseline, variants["baseline"] = baseline_engine(args.baseline)
     rows = []
     for name, (engram, num, length, decode, in_flight) in CASES.items():
         length = QUICK.get(name, length) if args.quick else length
@@ -145,7 +148,7 @@ def main() -> None:
         "machine": machine_info(),
         "config": {
             "device": str(device),
-            "baseline": args.baseline,
+            "baseline": baseline,
             "calls": args.calls,
             "repeats": args.repeats,
             "quick": args.quick,

@@ -334,6 +334,15 @@ def test_bench_rejects_bad_arguments_before_spawning(capsys, argv, named):
     collectives.parse_args(["--T", "8,64", "--D", "4096", "--modes", "graph", "--compile-D", ""])  # fine
 
 
+def test_runner_host_baseline_from_a_file(tmp_path):
+    """--baseline REV=FILE (a checkout without git history): FILE's engine, recorded as REV."""
+    (runner_host,) = import_script("bench", "runner_host")
+    copy = tmp_path / "engine.py"
+    copy.write_text((REPO / "python" / "spkernels" / "runner" / "engine.py").read_text())
+    rev, module = runner_host.baseline_engine(f"54a3f7d={copy}")
+    assert rev == "54a3f7d" and module.__file__ == str(copy) and hasattr(module, "Engine")
+
+
 def test_runner_host_against_a_baseline(tmp_path):
     """bench/runner_host.py times every case's batch build for this tree and a baseline revision's
     engine.py (here HEAD's) and writes them with the machine facts."""

@@ -69,7 +69,8 @@ class Communicator:
     """Collective over a torch.distributed group; owns the symmetric buffers sized for ``max_tokens``.
 
     Construct it on every rank of ``group`` at the same point (it is collective), then pass it to
-    the ``spkernels.*`` functions (its ``.handle`` only to the raw ``torch.ops.spkernels`` ops). ``device`` defaults to CUDA for NCCL groups and CPU for gloo.
+    the ``spkernels.*`` functions (its ``.handle`` only to the raw ``torch.ops.spkernels`` ops).
+    ``device`` defaults to CUDA for NCCL groups and CPU for gloo.
 
     Settings (each None takes its default from the environment, see :func:`env_default`):
     ``fused`` (False: the nccl backend even where the fused lsa kernels would run), ``tp_push``
