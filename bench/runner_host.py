@@ -96,7 +96,7 @@ def main() -> None:
         "--baseline",
         default=None,
         metavar="REV[=FILE]",
-        help="git revision whose engine.py to compare (=FILE: that engine.py, copied to FILE)",
+        help="git revision whose engine.py to compare (=FILE: REV's engine.py, read from FILE)",
     )
     p.add_argument("--calls", type=int, default=20, help="batches per timed loop")
     p.add_argument("--repeats", type=int, default=9, help="timed loops per variant (median)")
