@@ -142,9 +142,6 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
     if (tiles.first() < tiles.end())
 #pragma unroll
       for (int k = 0; k < kMixPer; ++k) mix_next[k] = load_mix(tiles.first() * kTileTokens, k);
-  if constexpr (P::kStageX)
-#pragma unroll
-    for (int r = 0; r < P::kRing; ++r) issue_tile(tiles.first() + r * tiles.step(), r);
   // kRegs: this thread's fn fragments, loaded once (a warp past the slice's columns adds zeros).
   uint4 fq[kFn == FnSrc::kRegs ? kHC : 1][kNT][2];
   if constexpr (kFn == FnSrc::kRegs)
@@ -155,6 +152,11 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
         for (int p = 0; p < kNT; ++p)
 #pragma unroll
           for (int s = 0; s < 2; ++s) fq[i][p][s] = fn_fragment<kHead>(a, i, p * 8 + g, vec, s, v0, W);
+  // The ring's first tiles go out after the fn loads: the first mma needs both, and fn's loads
+  // queued behind the tiles' copies arrive later (1-2% at D = 7168, docs/performance.md).
+  if constexpr (P::kStageX)
+#pragma unroll
+    for (int r = 0; r < P::kRing; ++r) issue_tile(tiles.first() + r * tiles.step(), r);
 
   for (int tile = tiles.first(), buf = 0, slot = 0; tile < tiles.end();
        tile += tiles.step(), buf ^= 1, slot = slot + 1 < P::kRing ? slot + 1 : 0) {
