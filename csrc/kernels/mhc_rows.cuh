@@ -153,7 +153,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
 #pragma unroll
           for (int s = 0; s < 2; ++s) fq[i][p][s] = fn_fragment<kHead>(a, i, p * 8 + g, vec, s, v0, W);
   // The ring's first tiles go out after the fn loads: the first mma needs both, and fn's loads
-  // queued behind the tiles' copies arrive later (1-2% at D = 7168, docs/performance.md).
+  // queued behind the tiles' copies arrive later (up to 2% at D = 7168, docs/performance.md).
   if constexpr (P::kStageX)
 #pragma unroll
     for (int r = 0; r < P::kRing; ++r) issue_tile(tiles.first() + r * tiles.step(), r);
