@@ -51,8 +51,9 @@ def baseline_engine(baseline: str):
     """(REV, module): REV's runner/engine.py (``REV=FILE``: read from FILE) as a module of
     spkernels.runner: its relative imports are this tree's."""
     rev, _, file = baseline.partition("=")
-    path = Path(file)
-    if not file:
+    if file:
+        path = Path(file)
+    else:
         source = subprocess.run(
             ["git", "show", f"{rev}:python/spkernels/runner/engine.py"],
             cwd=REPO, capture_output=True, text=True, check=True,
