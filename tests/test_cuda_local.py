@@ -223,8 +223,8 @@ def test_rows_do_not_depend_on_T(mhc, D):
         return torch.empty(x.numel() + 4, device=x.device)[1 : 1 + x.numel()].view(x.shape).copy_(x)
 
     # pass 1 split while tiles x slices x 3 <= 132 SMs (H200): T <= 32 at D = 4096, T <= 16 at 7168;
-    # 264: 2 row-kernel CTAs x 132 SMs, 528: two waves of them
-    for t in (1, 8, 16, 17, 32, 33, 64, 128, 129, 264, 265, 400, 528, 529, 1000):
+    # 264: 2 row-kernel CTAs x 132 SMs, 528: two waves of them; 1009: a pre's ring filled by row copies
+    for t in (1, 8, 16, 17, 32, 33, 64, 128, 129, 264, 265, 400, 528, 529, 1000, 1008, 1009):
         got = ops.mhc_post(y[:t], stream[:t], post_mix[:t], res_mix[:t])
         assert torch.equal(got, full_post[:t]), f"mhc_post T={t}"
         got = ops.mhc_post(y[:t], stream[:t], misaligned(post_mix[:t]), misaligned(res_mix[:t]))

@@ -120,7 +120,7 @@ def test_decode_parts_switch():
 
 def test_wide_pass1_switch():
     """A pre (fn in registers) or the head (two teams) leaves the tile kernel where a slice has more
-    than two tiles per SM of its own, fn staged."""
+    than two tiles per SM of its own, fn staged; a pre's ring is filled a warp per row from 64 tiles."""
     for v, D in itertools.product(["pre", "head", "pre_gather"], HIDDEN):
         S = slices(D)
         per_slice = SMS // S
@@ -130,6 +130,11 @@ def test_wide_pass1_switch():
             wide = staged and tiles(T) > per_slice * 2
             want = ("rows_teams" if v == "head" else "rows_fnreg") if wide else "rows"
             assert rows["kernel"] == want, (v, T, D, rows)
+            if rows["kernel"] == "rows_fnreg":  # row copies from 64 tiles (T > 1008)
+                assert rows["variant"] == (tiles(T) >= 64), (v, T, D, rows)
+    for v, T in itertools.product(["pre", "pre_gather"], [1008, 1009]):
+        rows = plan(v, T, 4096, 264 if v in FUSED else 0)["launches"][0]
+        assert (rows["kernel"], rows["variant"]) == ("rows_fnreg", T > 1008), (v, T, rows)
     for v in ["post_pre", "post_pre_peers"]:  # a post's pass 1 stays on the tile kernel
         assert plan(v, 16384, 7168, 264 if v in FUSED else 0)["launches"][0]["kernel"] == "rows"
 

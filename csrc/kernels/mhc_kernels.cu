@@ -64,9 +64,12 @@ struct VariantKernels {
     return mhc_rows_kernel<kT.src, kT.post, kT.pre, kT.head, FnSrc::kGlobal>;
   }
 
-  // The head's teams kernel or a pre's fn-in-registers kernel (pres without a post or peers only).
+  // The head's teams kernel or a pre's fn-in-registers kernel (pres without a post or peers only;
+  // row_copies: MhcLaunch::variant).
   static constexpr bool kWide = kT.src == YSrc::kNone && !kT.post && kT.pre;
-  static Kernel wide() { return kT.head ? mhc_rows_teams_kernel : mhc_rows_fnreg_kernel; }
+  static Kernel wide(int row_copies = 0) {
+    return kT.head ? mhc_rows_teams_kernel : row_copies ? mhc_rows_fnreg_kernel<true> : mhc_rows_fnreg_kernel<false>;
+  }
   static int wide_threads() { return kThreads * (kT.head ? kPreTeams : 1); }
   static size_t wide_smem(int hidden) { return kT.head ? fn_smem_bytes<true>(hidden) : kFnRegSmemBytes; }
 
@@ -129,9 +132,9 @@ struct VariantKernels {
         case MhcKernel::kRows:
         case MhcKernel::kRowsTeams:
         case MhcKernel::kRowsFnReg: {
-          Kernel k = rows(l.variant);
+          Kernel k = l.kernel == MhcKernel::kRows ? rows(l.variant) : nullptr;
           if constexpr (kWide)
-            if (l.kernel != MhcKernel::kRows) k = wide();
+            if (l.kernel != MhcKernel::kRows) k = wide(l.variant);
           if ((e = cudaFuncSetAttribute((const void*)k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)l.smem)) !=
               cudaSuccess)
             return e;
@@ -139,7 +142,7 @@ struct VariantKernels {
             std::fprintf(stderr, "spkernels: rows kernel T=%d D=%d slices=%d groups=%d parts=%d smem=%zu%s%s\n", T, D,
                          p.slices, p.groups, p.parts, l.smem,
                          l.variant == (int)FnSrc::kShared || l.kernel != MhcKernel::kRows ? " (fn staged)" : "",
-                         l.kernel == MhcKernel::kRowsFnReg   ? " (fn in registers)"
+                         l.kernel == MhcKernel::kRowsFnReg   ? (l.variant ? " (fn in registers, row copies)" : " (fn in registers)")
                          : l.kernel == MhcKernel::kRowsTeams ? " (teams)"
                                                              : "");
           e = launch_dependent(k, l.grid_x, l.block, l.smem, stream, a);

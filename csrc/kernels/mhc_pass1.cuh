@@ -72,8 +72,9 @@ __global__ void __launch_bounds__(kThreads* kPreTeams, 1)
 }
 
 // A pre's (local or SP) tile loop: one team of kThreads threads per CTA, one CTA per SM, each
-// thread's 96 registers of fn fragments loaded once per run, x through mhc_rows' ring. The same
-// fragments in the same mma order: the same bits as the other kernels.
+// thread's 96 registers of fn fragments loaded once per run, x through mhc_rows' ring (kRowCopies:
+// filled a warp per row, TilePolicy). The same fragments in the same mma order: the same bits as
+// the other kernels.
 //
 // a.groups > 0: CTA b runs slice b % S's tiles b / S, b / S + G, ... (G = a.groups CTAs per slice;
 // gridDim.x = S * G, SMs mod S idle). a.groups == 0 (even_split): every SM works.
@@ -81,6 +82,7 @@ __global__ void __launch_bounds__(kThreads* kPreTeams, 1)
 // M = K * ceil(S * N / gridDim.x) by K (all slices on one window of tiles, as above), and the
 // R = gridDim.x - S * K others split the slices' tails [M, N) slice-major into contiguous runs,
 // reloading fn at a slice change (at most a few runs).
+template <bool kRowCopies>
 __global__ void __launch_bounds__(kThreads, 1) mhc_rows_fnreg_kernel(const __grid_constant__ TileArgs a) {
   pdl_wait();
   pdl_launch_dependents();  // pass 2 (see mhc_rows_kernel)
@@ -111,7 +113,7 @@ __global__ void __launch_bounds__(kThreads, 1) mhc_rows_fnreg_kernel(const __gri
     }
   }
   for (;;) {  // one call site: the tile loop is inlined once
-    if (run.first < run.end) mhc_rows<YSrc::kNone, false, true, false, FnSrc::kRegs>(a, run);
+    if (run.first < run.end) mhc_rows<YSrc::kNone, false, true, false, FnSrc::kRegs, 1, kRowCopies>(a, run);
     if (u >= u_end) break;
     __syncthreads();  // the last run's reduction buffers are read before the next run writes them
     run = next_run();

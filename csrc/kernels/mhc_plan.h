@@ -72,13 +72,14 @@ inline size_t mhc_ws_floats(MhcVariant v, int num_tokens, int hidden) {
   return (size_t)num_tokens * row_slices(hidden) * (t.head ? FnRows<true>::kVals : FnRows<false>::kVals);
 }
 
-// The kernels a plan launches. kRows' fn source (FnSrc in mhc_args.cuh: global, shared, parts) and
-// the collapse kernels' kV (16-byte vectors per collapse thread) are in MhcLaunch::variant.
+// The kernels a plan launches. kRows' fn source (FnSrc in mhc_args.cuh: global, shared, parts),
+// kRowsFnReg's row copies (1 from kRowCopiesMinTiles tiles) and the collapse kernels' kV (16-byte
+// vectors per collapse thread) are in MhcLaunch::variant.
 enum class MhcKernel : int { kPostRow, kRows, kRowsTeams, kRowsFnReg, kCollapseRow, kCollapseLoop, kCopyIn };
 
 struct MhcLaunch {
   MhcKernel kernel;
-  int variant;  // kRows: FnSrc; kCollapseRow / kCollapseLoop: kV; else 0
+  int variant;  // kRows: FnSrc; kRowsFnReg: row copies (0 / 1); kCollapseRow / kCollapseLoop: kV; else 0
   int grid_x, grid_y, block;
   size_t smem;
 };
@@ -159,7 +160,7 @@ inline MhcPlan mhc_plan(MhcVariant v, int num_tokens, int hidden, int max_ctas, 
     const int resident = staged ? occ.wide : 0;
     if (const int per_slice = resident / p.slices; per_slice >= 1 && num_tiles > per_slice * kPreTeams) {
       rows.kernel = t.head ? MhcKernel::kRowsTeams : MhcKernel::kRowsFnReg;
-      rows.variant = 0;
+      rows.variant = !t.head && num_tiles >= kRowCopiesMinTiles ? 1 : 0;
       p.groups = per_slice * teams;
       rows.grid_x = p.slices * per_slice;
       if (!t.head && even_split(num_tiles, p.slices, resident)) {  // every SM

@@ -57,9 +57,9 @@ __device__ __forceinline__ float incoming_mix(const TileArgs& a, int row, int c)
 // team has its own reduction buffers and syncs on named barrier 1 + k.
 //
 // kFn == FnSrc::kRegs runs the tiles of `run`; every other kernel CTA (g, s)'s tiles g, g + G, ...
-template <YSrc kSrc, bool kPost, bool kPre, bool kHead, FnSrc kFn, int kTeams = 1>
+template <YSrc kSrc, bool kPost, bool kPre, bool kHead, FnSrc kFn, int kTeams = 1, bool kRowCopies = false>
 __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run = {}) {
-  using P = TilePolicy<kSrc, kPost, kPre, kHead, kFn>;
+  using P = TilePolicy<kSrc, kPost, kPre, kHead, kFn, kRowCopies>;
   constexpr int kRows = P::kRows, kVals = P::kVals, kNT = P::kNT;
   extern __shared__ __align__(16) uint4 s_fn[];
   // Warp partial products (in two rounds) and sums of squares, double-buffered by tile parity:
@@ -92,24 +92,46 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
 
   // ---- A: every stream load of a tile issued at once; x[h][i] = token g + 8h, stream i (with a
   // local post's y rows, P::kEarlyY; through the cp.async ring with fn in registers, P::kStageX).
-  uint4* const x_stage = s_fn;                 // the fn-in-registers kernel's dynamic shared memory: the ring
+  uint4* const x_stage = s_fn;  // the fn-in-registers kernel's dynamic shared memory: the ring
+  // Row copies' slot layout (P::kRowCopies): [token][stream][vector], the vector XOR 4 on odd
+  // tokens, so that a quarter warp's 16-byte reads (tokens g and g + 1) hit every bank once.
+  auto row_unit = [](int slot, int tok, int i, int v) {
+    return ((slot * kTileTokens + tok) * kHC + i) * 32 + (v ^ ((tok & 1) << 2));
+  };
+  static_assert(!P::kRowCopies || (kThreads == 2 * kHC * 32 && kTileTokens == 16), "a warp per (token, stream)");
   auto issue_tile = [&](int tile, int slot) {  // a tile's copies into `slot`, then the commit (alone past the end)
     if (tile < tiles.end()) {
+      if constexpr (P::kRowCopies) {
+        const int i = (tid >> 5) % kHC, v = tid & 31;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = tile * kTileTokens + g + 8 * h;
-        const bool valid = vec < W && row < T;
+        for (int r = 0; r < kTileTokens / 2; ++r) {
+          const int tok = 2 * r + tid / (kHC * 32), row = tile * kTileTokens + tok;
+          const bool valid = v < W && row < T;
+          cp_async16(x_stage + row_unit(slot, tok, i, v),
+                     valid ? a.stream + row * srow + (size_t)i * D + (size_t)(v0 + v) * 8 : a.stream, valid ? 16 : 0);
+        }
+      } else {
 #pragma unroll
-        for (int i = 0; i < kHC; ++i)
-          cp_async16(x_stage + ((slot * 2 + h) * kHC + i) * kThreads + tid,
-                     valid ? a.stream + row * srow + (size_t)i * D + col : a.stream, valid ? 16 : 0);
+        for (int h = 0; h < 2; ++h) {
+          const int row = tile * kTileTokens + g + 8 * h;
+          const bool valid = vec < W && row < T;
+#pragma unroll
+          for (int i = 0; i < kHC; ++i)
+            cp_async16(x_stage + ((slot * 2 + h) * kHC + i) * kThreads + tid,
+                       valid ? a.stream + row * srow + (size_t)i * D + col : a.stream, valid ? 16 : 0);
+        }
       }
     }
     cp_async_commit();
   };
   uint4 x[2][kHC], yr[2];
   auto load_tile = [&](int row_base, int slot) {
-    if constexpr (P::kStageX) {
+    if constexpr (P::kRowCopies) {  // landed: waited for before the previous tile's last barrier
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int i = 0; i < kHC; ++i) x[h][i] = x_stage[row_unit(slot, g + 8 * h, i, vec)];
+    } else if constexpr (P::kStageX) {
       cp_async_wait<P::kRing - 1>();
 #pragma unroll
       for (int h = 0; h < 2; ++h)
@@ -157,6 +179,10 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
   if constexpr (P::kStageX)
 #pragma unroll
     for (int r = 0; r < P::kRing; ++r) issue_tile(tiles.first() + r * tiles.step(), r);
+  if constexpr (P::kRowCopies) {  // the first tile landed, for every thread
+    cp_async_wait<P::kRing - 1>();
+    team_sync<kTeams>(team);
+  }
 
   for (int tile = tiles.first(), buf = 0, slot = 0; tile < tiles.end();
        tile += tiles.step(), buf ^= 1, slot = slot + 1 < P::kRing ? slot + 1 : 0) {
@@ -297,7 +323,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
       }
       if constexpr (P::kPipe)
         if (tile + tiles.step() < tiles.end()) load_tile(row_base + tiles.step() * kTileTokens, 0);
-      if constexpr (P::kStageX)  // every mma has read its x from the registers: the slot is free
+      if constexpr (P::kStageX && !P::kRowCopies)  // every mma has read its x from the registers: the slot is free
         issue_tile(tile + P::kRing * tiles.step(), slot);
       if constexpr (P::kMixAhead)
         if (tile + tiles.step() < tiles.end())
@@ -321,6 +347,8 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
         for (int h = 0; h < 2; ++h) s_redsq[buf][warp][8 * h + g] = sq[h];
       }
       team_sync<kTeams>(team);
+      if constexpr (P::kRowCopies)  // every thread's mma has read its x from the slot: refill it
+        issue_tile(tile + P::kRing * tiles.step(), slot);
       if (warp < kWarps / 2) {
 #pragma unroll
         for (int p = 0; p < np; ++p) {
@@ -330,6 +358,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
             for (int e = 0; e < 2; ++e) s_red[buf][warp][8 * h + 2 * t + e][(p + p0) * 8 + g] += v[p][h][e];
         }
       }
+      if constexpr (P::kRowCopies) cp_async_wait<P::kRing - 1>();  // the next tile landed: read after this barrier
       team_sync<kTeams>(team);
       static_assert(kNT < kWarps, "a warp per m-tile and one for the squares");
       if (warp < kNT && (parts == 1 || warp == part)) {  // warp-uniform; decode: this part's m-tile

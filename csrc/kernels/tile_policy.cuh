@@ -5,7 +5,7 @@
 
 namespace spk {
 
-template <YSrc kSrc, bool kPost, bool kPre, bool kHead, FnSrc kFn>
+template <YSrc kSrc, bool kPost, bool kPre, bool kHead, FnSrc kFn, bool kRowCopy = false>
 struct TilePolicy {
   static_assert(!(kHead && kPost), "the head is a pre without a post");
   static constexpr int kRows = FnRows<kHead>::kRows;  // fn rows, padded to whole m-tiles
@@ -28,6 +28,14 @@ struct TilePolicy {
   static constexpr int kRing = kFn == FnSrc::kRegs ? kFnRegRing : 0;
   static constexpr bool kStageX = kRing > 0;
   static_assert(!kStageX || (kSrc == YSrc::kNone && !kPost && !kHead), "the ring: a pre's x");
+
+  // Row copies (large T, kRowCopiesMinTiles): the ring's slot is the tile's [token][stream][vector]
+  // and warp w copies the 512 contiguous bytes of (token 2r + w / 4, stream w % 4) per step r:
+  // whole lines, where each thread's own 8 tokens x 64 bytes per warp and step read at ~0.93 of
+  // the rate. A thread then reads copies of the others: each tile is waited for before the last
+  // barrier of the tile before it, and a slot refilled after the first barrier of its tile.
+  static constexpr bool kRowCopies = kRowCopy;
+  static_assert(!kRowCopies || kStageX, "row copies: the ring's");
 
   // A local post's y rows go out with the tile's stream loads (yr[h]), not after the barrier
   // that stages the tile's mixes: at decode sizes that would be a second HBM round trip per call.
