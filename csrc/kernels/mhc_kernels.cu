@@ -138,13 +138,15 @@ struct VariantKernels {
           if ((e = cudaFuncSetAttribute((const void*)k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)l.smem)) !=
               cudaSuccess)
             return e;
-          if (debug_enabled())
+          if (debug_enabled()) {
+            const char* wide_kind = l.kernel == MhcKernel::kRowsTeams ? " (teams)"
+                                    : l.variant                       ? " (fn in registers, row copies)"
+                                                                      : " (fn in registers)";
             std::fprintf(stderr, "spkernels: rows kernel T=%d D=%d slices=%d groups=%d parts=%d smem=%zu%s%s\n", T, D,
                          p.slices, p.groups, p.parts, l.smem,
                          l.variant == (int)FnSrc::kShared || l.kernel != MhcKernel::kRows ? " (fn staged)" : "",
-                         l.kernel == MhcKernel::kRowsFnReg   ? (l.variant ? " (fn in registers, row copies)" : " (fn in registers)")
-                         : l.kernel == MhcKernel::kRowsTeams ? " (teams)"
-                                                             : "");
+                         l.kernel == MhcKernel::kRows ? "" : wide_kind);
+          }
           e = launch_dependent(k, l.grid_x, l.block, l.smem, stream, a);
           break;
         }
