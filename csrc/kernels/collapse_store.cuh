@@ -141,8 +141,9 @@ __device__ __forceinline__ void collapse_store(const TileArgs& a, int row, const
 }
 
 // A collapse thread's vectors of `row` (tid + 224 m, m < kV) in each of the 4 streams, every load
-// in one round: the row and loop kernels' stream loads.
-template <int kV>
+// in one round: the row and loop kernels' stream loads. kLastRead: evict-first loads (ld.global.cs),
+// the op's last read of the row (the loop kernel).
+template <int kV, bool kLastRead = false>
 __device__ __forceinline__ void load_collapse_row(const __nv_bfloat16* stream, int row, int D, uint4 (&x)[kV][kHC]) {
   const int nvec = D >> 3;
   const uint4* src = reinterpret_cast<const uint4*>(stream + (size_t)row * kHC * D);
@@ -151,7 +152,10 @@ __device__ __forceinline__ void load_collapse_row(const __nv_bfloat16* stream, i
     const int v = threadIdx.x + kCollapseThreads * m;
     if (v < nvec) {
 #pragma unroll
-      for (int i = 0; i < kHC; ++i) x[m][i] = src[(size_t)i * nvec + v];
+      for (int i = 0; i < kHC; ++i) {
+        const uint4* p = src + (size_t)i * nvec + v;
+        x[m][i] = kLastRead ? __ldcs(p) : *p;
+      }
     }
   }
 }

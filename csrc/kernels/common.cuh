@@ -57,6 +57,20 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
+// An L2 policy for data read for the last time in a call: its lines are the L2's first victims, so
+// they do not push out lines that are still to be read (createpolicy; no result when unused).
+__device__ __forceinline__ uint64_t l2_evict_first() {
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+// prefetch_l2 with an L2 policy for the lines it brings in.
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes, uint64_t policy) {
+  asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(p), "r"(bytes), "l"(policy)
+               : "memory");
+}
+
 // 16 bytes global -> shared, asynchronously and through the L2 only (.cg); src_bytes = 0 stores
 // zeros (src must still be a valid address). cp_async_wait<kPending>: all of this thread's
 // copies but those of its kPending most recently committed groups have landed.

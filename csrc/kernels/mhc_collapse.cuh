@@ -78,7 +78,11 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
   const bool early = a.new_stream == nullptr;
   const __nv_bfloat16* stream = early ? a.stream : a.new_stream;
   uint4 x[kV][kHC];
-  auto load_row = [&](int row) { load_collapse_row(stream, row, D, x); };
+  // The op's last read of its rows, at large D (kLastReadMinVecs): evict-first loads and
+  // prefetches, so that the rows pass 1 left in L2 (collapse_block: those come first) and the
+  // workspace stay there until they are read.
+  constexpr bool kLastRead = kV >= kLastReadMinVecs;
+  auto load_row = [&](int row) { load_collapse_row<kV, kLastRead>(stream, row, D, x); };
   const bool collapser = tid < kCollapseThreads;
   // A pre's first row before pdl_wait (not on the TP exit-barrier CTA).
   if (collapser && early && (int)blockIdx.x < stride && (int)blockIdx.x < n) load_row(collapse_block(a, blockIdx.x, n));
@@ -112,8 +116,13 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
   for (int k = 0, i = blockIdx.x; i < n; ++k, i += stride) {
     const int row = collapse_block(a, i, n), par = k & 1;
     if (k > 0 || !early) load_row(row);
-    if (const int next = i + stride; next < n && tid < kHC)  // row k + 1 into L2, a stream per thread
-      prefetch_l2(stream + ((size_t)collapse_block(a, next, n) * kHC + tid) * D, (uint32_t)D * 2);
+    if (const int next = i + stride; next < n && tid < kHC) {  // row k + 1 into L2, a stream per thread
+      const __nv_bfloat16* p = stream + ((size_t)collapse_block(a, next, n) * kHC + tid) * D;
+      if constexpr (kLastRead)
+        prefetch_l2(p, (uint32_t)D * 2, l2_evict_first());
+      else
+        prefetch_l2(p, (uint32_t)D * 2);
+    }
     bar_sync(kBarFull + par, kThreads);
     float w[kHC];
     collapse_weights<kHead>(a, row, s_coef[par], w);

@@ -80,4 +80,9 @@ constexpr int kPostRowThreads = 64;
 // CTA per slot looping over the rows.
 constexpr int kRowWaves = 2;
 
+// Pass 2's loop kernel reads its rows evict-first (its last read of them) from this many vectors
+// per collapse thread and stream (D > 5376): 2-4% faster at D = 7168 on an H100, up to 2% slower
+// at D = 4096 (docs/performance.md, "l2last").
+constexpr int kLastReadMinVecs = 4;
+
 }  // namespace spk
