@@ -58,7 +58,7 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 }
 
 // An L2 policy for data read for the last time in a call: its lines are the L2's first victims, so
-// they do not push out lines that are still to be read (createpolicy; no result when unused).
+// they do not push out lines that are still to be read (non-volatile asm: dropped when unused).
 __device__ __forceinline__ uint64_t l2_evict_first() {
   uint64_t policy;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
