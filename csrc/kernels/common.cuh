@@ -72,11 +72,18 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes, uint6
 }
 
 // 16 bytes global -> shared, asynchronously and through the L2 only (.cg); src_bytes = 0 stores
-// zeros (src must still be a valid address). cp_async_wait<kPending>: all of this thread's
-// copies but those of its kPending most recently committed groups have landed.
+// zeros (src must still be a valid address). kFetch256: an L2 miss fetches the aligned 256 bytes
+// around src from HBM (.L2::256B), for copies whose neighbours other warps read soon after.
+// cp_async_wait<kPending>: all of this thread's copies but those of its kPending most recently
+// committed groups have landed.
+template <bool kFetch256 = false>
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
   const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
+  if constexpr (kFetch256)
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes)
+                 : "memory");
+  else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int kPending>

@@ -110,15 +110,15 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
           cp_async16(x_stage + row_unit(slot, tok, i, v),
                      valid ? a.stream + row * srow + (size_t)i * D + (size_t)(v0 + v) * 8 : a.stream, valid ? 16 : 0);
         }
-      } else {
+      } else {  // 256-byte L2 fetches (TilePolicy)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = tile * kTileTokens + g + 8 * h;
           const bool valid = vec < W && row < T;
 #pragma unroll
           for (int i = 0; i < kHC; ++i)
-            cp_async16(x_stage + ((slot * 2 + h) * kHC + i) * kThreads + tid,
-                       valid ? a.stream + row * srow + (size_t)i * D + col : a.stream, valid ? 16 : 0);
+            cp_async16<true>(x_stage + ((slot * 2 + h) * kHC + i) * kThreads + tid,
+                             valid ? a.stream + row * srow + (size_t)i * D + col : a.stream, valid ? 16 : 0);
         }
       }
     }

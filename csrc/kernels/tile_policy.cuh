@@ -23,8 +23,11 @@ struct TilePolicy {
   // empty one past the last tile), so tile j waits with wait_group<kFnRegRing - 1>. No L2
   // prefetch: the copy is the only read, so each byte crosses the L2 partitions' fabric once.
   // With the fragments in registers, pass 1 no longer fills the shared-memory pipe with their
-  // loads every tile. Only a pre's: run this way (old stream and y through the ring, one CTA
-  // per SM), the local post_pre and the fused boundaries are slower.
+  // loads every tile. Only a pre's: run this way (old stream and y through the ring, one CTA per
+  // SM), the local post_pre and the fused boundaries are slower. Without row copies a warp copies
+  // 64 bytes of 8 rows and the other warps the rest of each row's 512 soon after, so the copies ask
+  // the L2 to fetch 256 bytes at a miss: 1-2% faster at T = 512 on an H100 (docs/performance.md,
+  // "fetch256").
   static constexpr int kRing = kFn == FnSrc::kRegs ? kFnRegRing : 0;
   static constexpr bool kStageX = kRing > 0;
   static_assert(!kStageX || (kSrc == YSrc::kNone && !kPost && !kHead), "the ring: a pre's x");
