@@ -71,6 +71,16 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes, uint6
                : "memory");
 }
 
+// A 16-byte global load whose L2 miss fetches the aligned 256 bytes around p (.L2::256B). No
+// memory clobber: for data the kernel does not write (pass 1's stream).
+__device__ __forceinline__ uint4 ld_fetch256(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 // 16 bytes global -> shared, asynchronously and through the L2 only (.cg); src_bytes = 0 stores
 // zeros (src must still be a valid address). kFetch256: an L2 miss fetches the aligned 256 bytes
 // around src from HBM (.L2::256B), for copies whose neighbours other warps read soon after.

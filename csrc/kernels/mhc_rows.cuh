@@ -110,15 +110,16 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
           cp_async16(x_stage + row_unit(slot, tok, i, v),
                      valid ? a.stream + row * srow + (size_t)i * D + (size_t)(v0 + v) * 8 : a.stream, valid ? 16 : 0);
         }
-      } else {  // 256-byte L2 fetches (TilePolicy)
+      } else {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = tile * kTileTokens + g + 8 * h;
           const bool valid = vec < W && row < T;
 #pragma unroll
-          for (int i = 0; i < kHC; ++i)
-            cp_async16<true>(x_stage + ((slot * 2 + h) * kHC + i) * kThreads + tid,
-                             valid ? a.stream + row * srow + (size_t)i * D + col : a.stream, valid ? 16 : 0);
+          for (int i = 0; i < kHC; ++i) {
+            const __nv_bfloat16* src = valid ? a.stream + row * srow + (size_t)i * D + col : a.stream;
+            cp_async16<P::kFetch256>(x_stage + ((slot * 2 + h) * kHC + i) * kThreads + tid, src, valid ? 16 : 0);
+          }
         }
       }
     }
@@ -144,8 +145,9 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
         const bool valid = vec < W && row < T;
 #pragma unroll
         for (int i = 0; i < kHC; ++i)
-          x[h][i] = valid ? *reinterpret_cast<const uint4*>(a.stream + row * srow + (size_t)i * D + col)
-                          : make_uint4(0, 0, 0, 0);
+          x[h][i] = !valid         ? make_uint4(0, 0, 0, 0)
+                    : P::kFetch256 ? ld_fetch256(a.stream + row * srow + (size_t)i * D + col)
+                                   : *reinterpret_cast<const uint4*>(a.stream + row * srow + (size_t)i * D + col);
         if constexpr (P::kEarlyY)
           yr[h] = valid ? *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col) : make_uint4(0, 0, 0, 0);
       }

@@ -24,10 +24,7 @@ struct TilePolicy {
   // prefetch: the copy is the only read, so each byte crosses the L2 partitions' fabric once.
   // With the fragments in registers, pass 1 no longer fills the shared-memory pipe with their
   // loads every tile. Only a pre's: run this way (old stream and y through the ring, one CTA per
-  // SM), the local post_pre and the fused boundaries are slower. Without row copies a warp copies
-  // 64 bytes of 8 rows and the other warps the rest of each row's 512 soon after, so the copies ask
-  // the L2 to fetch 256 bytes at a miss: 1-2% faster at T = 512 on an H100 (docs/performance.md,
-  // "fetch256").
+  // SM), the local post_pre and the fused boundaries are slower.
   static constexpr int kRing = kFn == FnSrc::kRegs ? kFnRegRing : 0;
   static constexpr bool kStageX = kRing > 0;
   static_assert(!kStageX || (kSrc == YSrc::kNone && !kPost && !kHead), "the ring: a pre's x");
@@ -70,6 +67,13 @@ struct TilePolicy {
   // barrier). A pre's, but not the head's (kPipe) nor the ring's (kStageX).
   static constexpr bool kPrefetchNext = kPre && !kHead && !kStageX;
   static constexpr int kPrefetchRanges = kHC + (kSrc == YSrc::kLocal ? 1 : 0);  // per token: streams, y
+
+  // Stream reads that go to HBM themselves (no bulk prefetch ahead of them) and cover 64 bytes of 8
+  // rows per warp, the other warps reading the rest of each row's 512 bytes soon after, ask the L2
+  // to fetch 256 bytes at a miss (.L2::256B): the piped loads and the ring's copies without row
+  // copies (those read whole lines). On one H100 (docs/performance.md, "fetch256"): the head up to
+  // 4% faster from T = 512, the local post_pre 1-5% from T = 256, mhc_pre 1-2% below T = 1024.
+  static constexpr bool kFetch256 = kPipe || (kStageX && !kRowCopies);
 };
 
 }  // namespace spk
