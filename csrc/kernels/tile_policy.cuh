@@ -23,8 +23,8 @@ struct TilePolicy {
   // empty one past the last tile), so tile j waits with wait_group<kFnRegRing - 1>. No L2
   // prefetch: the copy is the only read, so each byte crosses the L2 partitions' fabric once.
   // With the fragments in registers, pass 1 no longer fills the shared-memory pipe with their
-  // loads every tile. Only a pre's: run this way (old stream and y through the ring, one CTA per
-  // SM), the local post_pre and the fused boundaries are slower.
+  // loads every tile. Only a pre's: run this way (old stream and y through the ring, one CTA
+  // per SM), the local post_pre and the fused boundaries are slower.
   static constexpr int kRing = kFn == FnSrc::kRegs ? kFnRegRing : 0;
   static constexpr bool kStageX = kRing > 0;
   static_assert(!kStageX || (kSrc == YSrc::kNone && !kPost && !kHead), "the ring: a pre's x");
