@@ -71,9 +71,11 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes, uint6
                : "memory");
 }
 
-// A 16-byte global load whose L2 miss fetches the aligned 256 bytes around p (.L2::256B). No
-// memory clobber: for data the kernel does not write (pass 1's stream).
-__device__ __forceinline__ uint4 ld_fetch256(const void* p) {
+// A 16-byte global load; kFetch256: an L2 miss fetches the aligned 256 bytes around p (.L2::256B;
+// no memory clobber: for data the kernel does not write, pass 1's stream).
+template <bool kFetch256 = false>
+__device__ __forceinline__ uint4 ld16(const void* p) {
+  if constexpr (!kFetch256) return *reinterpret_cast<const uint4*>(p);
   uint4 v;
   asm volatile("ld.global.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)

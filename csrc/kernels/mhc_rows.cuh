@@ -145,9 +145,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
         const bool valid = vec < W && row < T;
 #pragma unroll
         for (int i = 0; i < kHC; ++i)
-          x[h][i] = !valid         ? make_uint4(0, 0, 0, 0)
-                    : P::kFetch256 ? ld_fetch256(a.stream + row * srow + (size_t)i * D + col)
-                                   : *reinterpret_cast<const uint4*>(a.stream + row * srow + (size_t)i * D + col);
+          x[h][i] = valid ? ld16<P::kFetch256>(a.stream + row * srow + (size_t)i * D + col) : make_uint4(0, 0, 0, 0);
         if constexpr (P::kEarlyY)
           yr[h] = valid ? *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col) : make_uint4(0, 0, 0, 0);
       }
