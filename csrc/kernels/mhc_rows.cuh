@@ -241,7 +241,7 @@ __device__ __forceinline__ void mhc_rows(const TileArgs& a, const TileRun& run =
           else if constexpr (P::kEarlyY)
             y = yr[h];
           else
-            y = *reinterpret_cast<const uint4*>(a.y + (size_t)row * D + col);
+            y = ld16<P::kFetch256>(a.y + (size_t)row * D + col);
         }
         return y;
       };

@@ -71,8 +71,9 @@ struct TilePolicy {
   // Stream reads that go to HBM themselves (no bulk prefetch ahead of them) and cover 64 bytes of 8
   // rows per warp, the other warps reading the rest of each row's 512 bytes soon after, ask the L2
   // to fetch 256 bytes at a miss (.L2::256B): the piped loads and the ring's copies without row
-  // copies (those read whole lines). On one H100 (docs/performance.md, "fetch256"): the head up to
-  // 4% faster from T = 512, the local post_pre 1-5% from T = 256, mhc_pre 1-2% below T = 1024.
+  // copies (those read whole lines); the local post_pre's y loads too. On one H100
+  // (docs/performance.md, "fetch256"): the head up to 4% faster from T = 512, the local post_pre
+  // 1-5% from T = 256, mhc_pre 1-2% below T = 1024; y's loads another 1% (one H200).
   static constexpr bool kFetch256 = kPipe || (kStageX && !kRowCopies);
 };
 
