@@ -23,6 +23,7 @@ SMS = 132
 # CTAs per device: the tile kernel (2 per SM), the wide pass-1 kernels (1 per SM), pass 2's kernels.
 H200 = (2 * SMS, SMS, 3 * SMS, 3 * SMS)
 TILE, THREADS, SLICE_VECS = 16, 256, 32
+LAST_READ_FLAG, LAST_READ_MIN_VECS, LAST_READ_MAX_ROWS = 8, 4, 1024  # pass 2's evict-first loads
 SMEM_PER_SM, SMEM_PER_CTA, STATIC_SMEM = 228 << 10, 227 << 10, 16 << 10  # static: ptxas says <= 14.3 KB
 
 
@@ -169,8 +170,24 @@ def test_collapse_regimes():
 
 def test_collapse_vectors():
     for D in range(8, 8193, 8):
-        kv = plan("pre", 64, D)["launches"][1]["variant"]
+        kv = plan("pre", 64, D)["launches"][1]["variant"] & (LAST_READ_FLAG - 1)
         assert (kv - 1) * 224 < D // 8 <= kv * 224
+
+
+@pytest.mark.parametrize("v", PRES)
+def test_collapse_last_read(v):
+    """The loop kernel reads evict-first from 4 vectors per thread (D > 5376), and below that for a
+    local pre of at most 1024 rows; a fused pre's other kernels never do."""
+    local = v in ("pre", "post_pre", "head")
+    hidden, tokens = [256, 4096, 5120, 5376, 5384, 7168, 8192], [1, 64, 512, 1023, 1024, 1025, 8192]
+    for D, T in itertools.product(hidden, tokens):
+        for launch in plan(v, T, D, 0 if local else 264)["launches"]:
+            kv, flag = launch["variant"] & (LAST_READ_FLAG - 1), launch["variant"] & LAST_READ_FLAG
+            if launch["kernel"] == "collapse_loop":
+                want = kv >= LAST_READ_MIN_VECS or (local and T <= LAST_READ_MAX_ROWS)
+                assert bool(flag) == want, (v, D, T, launch)
+            elif launch["kernel"] == "collapse_row":
+                assert not flag, (v, D, T, launch)
 
 
 def test_shared_memory_within_limits():

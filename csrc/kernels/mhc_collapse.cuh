@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
 //   the weights, collapse, norm and store as the row kernel (collapse_store), and bulk-prefetch
 //   row k + 1 into L2 while they wait for row k's weights.
 // Same sums in the same orders as the row kernel: the same bits.
-template <bool kHead, bool kGather, int kV>
+template <bool kHead, bool kGather, int kV, bool kLastRead>
 __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
                                             : kV <= 4 ? 2
                                                       : 1)
@@ -78,10 +78,9 @@ __global__ void __launch_bounds__(kThreads, kV <= 2   ? 3
   const bool early = a.new_stream == nullptr;
   const __nv_bfloat16* stream = early ? a.stream : a.new_stream;
   uint4 x[kV][kHC];
-  // The op's last read of its rows, at large D (kLastReadMinVecs): evict-first loads and
+  // kLastRead (collapse_last_read): the op's last read of its rows, evict-first loads and
   // prefetches, so that the rows pass 1 left in L2 (collapse_block: those come first) and the
   // workspace stay there until they are read.
-  constexpr bool kLastRead = kV >= kLastReadMinVecs;
   auto load_row = [&](int row) { load_collapse_row<kV, kLastRead>(stream, row, D, x); };
   const bool collapser = tid < kCollapseThreads;
   // A pre's first row before pdl_wait (not on the TP exit-barrier CTA).

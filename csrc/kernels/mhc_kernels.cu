@@ -50,7 +50,8 @@ cudaError_t resident_ctas(const void* kernel, int threads, size_t smem, int* out
 using Kernel = void (*)(TileArgs);
 
 // The kernels of one op variant: the tile kernel by fn source, the wide pass-1 kernel, and pass 2's
-// two kernels by kV (1..5; null past D = 8960; the ops cap D at 8192).
+// two kernels by kV (1..5; null past D = 8960; the ops cap D at 8192), the loop kernel also by
+// kLastReadFlag (mhc_plan.h).
 template <MhcVariant kVariant>
 struct VariantKernels {
   static constexpr MhcTraits kT = mhc_traits(kVariant);
@@ -73,8 +74,22 @@ struct VariantKernels {
   static int wide_threads() { return kThreads * (kT.head ? kPreTeams : 1); }
   static size_t wide_smem(int hidden) { return kT.head ? fn_smem_bytes<true>(hidden) : kFnRegSmemBytes; }
 
-  static Kernel collapse(bool loop, int kv) {
+  // The loop kernel at kV, evict-first from kLastReadMinVecs or where the plan asks (never a
+  // gather's: collapse_last_read).
+  template <int kV>
+  static Kernel loop_kernel(bool last_read) {
     constexpr bool h = kT.head, g = kT.gather;
+    if constexpr (kV >= kLastReadMinVecs)
+      return mhc_collapse_loop_kernel<h, g, kV, true>;
+    else if constexpr (g)
+      return mhc_collapse_loop_kernel<h, g, kV, false>;
+    else
+      return last_read ? mhc_collapse_loop_kernel<h, g, kV, true> : mhc_collapse_loop_kernel<h, g, kV, false>;
+  }
+
+  static Kernel collapse(bool loop, int variant) {
+    constexpr bool h = kT.head, g = kT.gather;
+    const int kv = variant & (kLastReadFlag - 1);
     if (kv < 1 || kv > 5) return nullptr;
     if constexpr (collapse_row_used(kT)) {
       const Kernel row[5] = {mhc_collapse_row_kernel<h, g, 1>, mhc_collapse_row_kernel<h, g, 2>,
@@ -82,9 +97,9 @@ struct VariantKernels {
                              mhc_collapse_row_kernel<h, g, 5>};
       if (!loop) return row[kv - 1];
     }
-    const Kernel loops[5] = {mhc_collapse_loop_kernel<h, g, 1>, mhc_collapse_loop_kernel<h, g, 2>,
-                             mhc_collapse_loop_kernel<h, g, 3>, mhc_collapse_loop_kernel<h, g, 4>,
-                             mhc_collapse_loop_kernel<h, g, 5>};
+    const bool lr = variant & kLastReadFlag;
+    const Kernel loops[5] = {loop_kernel<1>(lr), loop_kernel<2>(lr), loop_kernel<3>(lr), loop_kernel<4>(lr),
+                             loop_kernel<5>(lr)};
     return loop ? loops[kv - 1] : nullptr;
   }
 

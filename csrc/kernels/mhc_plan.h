@@ -74,12 +74,13 @@ inline size_t mhc_ws_floats(MhcVariant v, int num_tokens, int hidden) {
 
 // The kernels a plan launches. kRows' fn source (FnSrc in mhc_args.cuh: global, shared, parts),
 // kRowsFnReg's row copies (1 from kRowCopiesMinTiles tiles) and the collapse kernels' kV (16-byte
-// vectors per collapse thread) are in MhcLaunch::variant.
+// vectors per collapse thread; the loop kernel's | kLastReadFlag, collapse_last_read) are in
+// MhcLaunch::variant.
 enum class MhcKernel : int { kPostRow, kRows, kRowsTeams, kRowsFnReg, kCollapseRow, kCollapseLoop, kCopyIn };
 
 struct MhcLaunch {
   MhcKernel kernel;
-  int variant;  // kRows: FnSrc; kRowsFnReg: row copies (0 / 1); kCollapseRow / kCollapseLoop: kV; else 0
+  int variant;  // kRows: FnSrc; kRowsFnReg: row copies (0 / 1); kCollapseRow: kV; kCollapseLoop: kV | flag; else 0
   int grid_x, grid_y, block;
   size_t smem;
 };
@@ -105,6 +106,14 @@ struct MhcPlan {
 inline int collapse_vectors(int hidden) {
   const int kv = (hidden / 8 + kCollapseThreads - 1) / kCollapseThreads;
   return kv >= 1 && kv <= 5 ? kv : 0;
+}
+
+// Whether pass 2's loop kernel reads its rows evict-first (the op's last read of them; variant |
+// kLastReadFlag): from kLastReadMinVecs vectors, and for a local pre (no peers, no gather) of at
+// most kLastReadMaxRows rows.
+constexpr int kLastReadFlag = 8;
+inline bool collapse_last_read(const MhcTraits& t, int num_tokens, int kv) {
+  return kv >= kLastReadMinVecs || (t.src != YSrc::kPeers && !t.gather && num_tokens <= kLastReadMaxRows);
 }
 
 // Dynamic shared memory of the tile kernel: a pre's fn slice. Every pre variant of the kernel gets
@@ -182,7 +191,7 @@ inline MhcPlan mhc_plan(MhcVariant v, int num_tokens, int hidden, int max_ctas, 
     p.launches[p.num_launches++] = {MhcKernel::kCollapseRow, kv, T + extra, 1, kThreads, 0};
   else
     p.launches[p.num_launches++] = {MhcKernel::kCollapseLoop,
-                                    kv,
+                                    kv | (collapse_last_read(t, T, kv) ? kLastReadFlag : 0),
                                     (T < occ.collapse_loop - extra ? T : occ.collapse_loop - extra) + extra,
                                     1,
                                     kThreads,

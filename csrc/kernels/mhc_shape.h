@@ -82,7 +82,10 @@ constexpr int kRowWaves = 2;
 
 // Pass 2's loop kernel reads its rows evict-first (its last read of them) from this many vectors
 // per collapse thread and stream (D > 5376): 2-4% faster at D = 7168 on an H100, up to 2% slower
-// at D = 4096 (docs/performance.md, "l2last").
+// at D = 4096 from T = 4096 (docs/performance.md, "l2last")...
 constexpr int kLastReadMinVecs = 4;
+// ... and at every D for a local pre of at most this many rows: 3-5% faster at T = 1008, D = 4096,
+// level at T = 512 on an H200 (docs/performance.md, "l2last for short calls").
+constexpr int kLastReadMaxRows = 1024;
 
 }  // namespace spk
