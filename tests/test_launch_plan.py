@@ -177,7 +177,7 @@ def test_collapse_vectors():
 @pytest.mark.parametrize("v", PRES)
 def test_collapse_last_read(v):
     """The loop kernel reads evict-first from 4 vectors per thread (D > 5376), and below that for a
-    local pre of at most 1024 rows; a fused pre's other kernels never do."""
+    local pre of at most 1024 rows (a fused pre's only from 4 vectors); the row kernel never does."""
     local = v in ("pre", "post_pre", "head")
     hidden, tokens = [256, 4096, 5120, 5376, 5384, 7168, 8192], [1, 64, 512, 1023, 1024, 1025, 8192]
     for D, T in itertools.product(hidden, tokens):
