@@ -25,8 +25,8 @@ constexpr int kRowsCtasPerSm = 2;
 // Tiles of x in flight through shared memory in the fn-in-registers pass 1 (mhc_rows' ring).
 constexpr int kFnRegRing = 2;
 // From this many tiles (T > 1008) that ring's copies go a warp per 512-byte row (row copies,
-// TilePolicy): 1-3% faster at D = 4096 / 5120 from T = 4096 on an H100, ~1% slower at T <= 512
-// (docs/performance.md).
+// TilePolicy): 1-3% faster at D = 4096 / 5120 from T = 4096 on an H100 when merged, within 1% since
+// fnfirst and fetch256; ~1% slower at T <= 512 (docs/performance.md).
 constexpr int kRowCopiesMinTiles = 64;
 
 // The head's teams kernel: teams of kThreads threads per CTA on one staged fn slice.
